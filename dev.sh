@@ -1,0 +1,70 @@
+#!/usr/bin/env bash
+# The README's Quick start: `./dev.sh demo` runs the main job, `./dev.sh test` runs the whole suite.
+# Both create (once) and reuse a project-local virtual environment in .venv; nothing needs to be
+# installed by hand first on a Debian/Ubuntu machine with Python 3.10+.
+set -euo pipefail
+cd "$(dirname "$0")"
+VENV=.venv
+PY=${PYTHON:-python3}
+
+as_root() { if [ "$(id -u)" = 0 ]; then "$@"; elif command -v sudo >/dev/null; then sudo "$@"; else return 1; fi; }
+
+apt_install() {
+  command -v apt-get >/dev/null || return 1
+  [ -f /tmp/.safeio-apt-updated ] || { as_root apt-get update -qq && touch /tmp/.safeio-apt-updated; } || return 1
+  as_root env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "$@" >/dev/null
+}
+
+ensure_fuse() {
+  # fusermount3 and libfuse3 let the NFS-like test filesystem mount; without them FUSE tests skip
+  # (or fail under SAFEIO_REQUIRE_FUSE=1, as in CI).
+  if ! command -v fusermount3 >/dev/null || ! ldconfig -p 2>/dev/null | grep -q 'libfuse3\.so'; then
+    echo "dev.sh: installing fuse3 (NFS-like test filesystem)" >&2
+    apt_install fuse3 || echo "dev.sh: could not install fuse3; FUSE tests will be skipped" >&2
+  fi
+}
+
+ensure_venv() {
+  if [ ! -x "$VENV/bin/python" ]; then
+    echo "dev.sh: creating $VENV" >&2
+    if ! "$PY" -m venv "$VENV" 2>/dev/null; then
+      rm -rf "$VENV"
+      pyver=$("$PY" -c 'import sys; print(f"{sys.version_info[0]}.{sys.version_info[1]}")')
+      apt_install "python${pyver}-venv" || apt_install python3-venv
+      "$PY" -m venv "$VENV"
+    fi
+  fi
+  # Reinstall only when the project's requirements changed.
+  stamp="$VENV/.safeio-stamp"
+  want=$(cat pyproject.toml dev.sh | sha256sum | cut -c1-16)
+  if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
+    echo "dev.sh: installing safeio and its test dependencies into $VENV" >&2
+    "$VENV/bin/python" -m pip install -q --upgrade pip
+    # torch first and pinned: on the CI machine kind torch==2.13.0 is a local CPU build, and an
+    # unpinned torch would pull a multi-GB CUDA build.
+    "$VENV/bin/python" -m pip install -q "torch==2.13.0"
+    "$VENV/bin/python" -m pip install -q -e ".[dev]"
+    echo "$want" > "$stamp"
+  fi
+}
+
+cmd=${1:-help}
+[ $# -gt 0 ] && shift
+case "$cmd" in
+  demo)
+    ensure_fuse; ensure_venv
+    exec "$VENV/bin/python" examples/replicated_tokenizer.py "$@" ;;
+  test)
+    ensure_fuse; ensure_venv
+    exec "$VENV/bin/python" -m pytest "$@" ;;
+  lint)
+    ensure_venv
+    "$VENV/bin/ruff" check safeio tests examples benchmarks
+    "$VENV/bin/ruff" format --check safeio tests examples benchmarks
+    exec "$VENV/bin/mypy" ;;
+  bench)
+    ensure_fuse; ensure_venv
+    exec "$VENV/bin/python" -m benchmarks "$@" ;;
+  *)
+    echo "usage: ./dev.sh demo|test|lint|bench [args...]" >&2; exit 2 ;;
+esac

@@ -1,0 +1,53 @@
+"""The stages open in this process, so that a save nested inside one writes straight into it.
+
+A processor's ``save_pretrained`` saves its tokenizer into the same directory; under the patch that
+nested call would otherwise open a second stage, take the lock again and wait for peers that never
+make the nested call (they skipped the outer body). Nested saves get no stage, lock, counter or wait.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class ActiveStage:
+    target: str  # absolute local path or URL
+    stage: str  # local path
+
+
+_lock = threading.Lock()
+_active: list[ActiveStage] = []
+
+
+def _within(path: str, root: str) -> str | None:
+    """``path`` relative to ``root`` ("" for root itself), or None if it is outside."""
+    if path == root:
+        return ""
+    prefix = root.rstrip("/") + "/"
+    return path[len(prefix) :] if path.startswith(prefix) else None
+
+
+def redirect(path: str) -> str | None:
+    """Where ``path`` lives inside an active stage, or None if no active stage covers it."""
+    with _lock:
+        for entry in reversed(_active):
+            rel = _within(path, entry.stage)
+            if rel is not None:
+                return path
+            rel = _within(path, entry.target)
+            if rel is not None:
+                return entry.stage if rel == "" else f"{entry.stage}/{rel}"
+    return None
+
+
+def push(entry: ActiveStage) -> None:
+    with _lock:
+        _active.append(entry)
+
+
+def pop(entry: ActiveStage) -> None:
+    with _lock:
+        if entry in _active:
+            _active.remove(entry)

@@ -1,0 +1,107 @@
+"""safeio's exceptions: one root, each carrying the path it concerns, each picklable.
+
+    SafeIOError                      (root; .path)
+    ├── InvalidTargetError           (ValueError)       bad input: empty path, a file where a directory goes
+    ├── TargetExistsError            (FileExistsError)  mode="error" and the target exists
+    ├── PromotionError               (OSError)          the writer could not stage, sync or promote
+    ├── LockTimeout                  (TimeoutError)     the promotion lock was not acquired in time
+    ├── PeerTimeout                  (TimeoutError)     a rank waited past its timeout for the writer
+    ├── RemoteWriterError                               raised on non-writers when the writer failed
+    ├── CollectiveInWriterSection    (RuntimeError)     a collective inside a writer-only section
+    └── UnsafeWriteError                                the audit sanitizer found an unsafe write
+
+Errors cross process boundaries in distributed code (a writer's failure is shipped to its peers, a
+spawned rank's failure to its parent), so every class pickles with its attributes intact.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+
+def _restore(cls: type[SafeIOError], args: tuple[Any, ...], state: dict[str, Any]) -> SafeIOError:
+    error = cls.__new__(cls)
+    BaseException.__init__(error, *args)
+    error.__dict__.update(state)
+    return error
+
+
+class SafeIOError(Exception):
+    """Root of every error safeio raises. ``path`` is the target (or lock, or file) concerned."""
+
+    def __init__(self, message: str, path: str | os.PathLike[str] | None = None) -> None:
+        super().__init__(message)
+        self.path: str | None = os.fspath(path) if path is not None else None
+
+    def __str__(self) -> str:
+        return str(self.args[0]) if self.args else ""
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (_restore, (type(self), self.args, dict(self.__dict__)))
+
+
+class InvalidTargetError(SafeIOError, ValueError):
+    """The target cannot be written as asked (empty, a file where a directory goes, a foreign symlink)."""
+
+
+class TargetExistsError(SafeIOError, FileExistsError):
+    """``mode="error"`` and the target already exists."""
+
+
+class PromotionError(SafeIOError, OSError):
+    """The writer could not stage, sync or promote; ``errno`` is the underlying OS error's, if any."""
+
+    def __init__(self, message: str, path: str | os.PathLike[str] | None = None, errno: int | None = None):
+        super().__init__(message, path)
+        self.errno = errno
+
+
+class LockTimeout(SafeIOError, TimeoutError):
+    """The promotion lock was not acquired within the timeout; ``holder`` describes its holder if known."""
+
+    def __init__(self, message: str, path: str | os.PathLike[str] | None = None, holder: str | None = None):
+        super().__init__(message, path)
+        self.holder = holder
+
+
+class PeerTimeout(SafeIOError, TimeoutError):
+    """A rank waited past its timeout for another rank (``waited_for``), last seen in ``phase``."""
+
+    def __init__(
+        self,
+        message: str,
+        path: str | os.PathLike[str] | None = None,
+        *,
+        waited_for: int | None = None,
+        phase: str | None = None,
+    ) -> None:
+        super().__init__(message, path)
+        self.waited_for = waited_for
+        self.phase = phase
+
+
+class RemoteWriterError(SafeIOError):
+    """The writer rank failed; raised on every other rank with the writer's error type and message."""
+
+    def __init__(
+        self,
+        message: str,
+        path: str | os.PathLike[str] | None = None,
+        *,
+        writer_rank: int | None = None,
+        error_type: str | None = None,
+        error_message: str | None = None,
+    ) -> None:
+        super().__init__(message, path)
+        self.writer_rank = writer_rank
+        self.error_type = error_type
+        self.error_message = error_message
+
+
+class CollectiveInWriterSection(SafeIOError, RuntimeError):
+    """A torch.distributed collective was called while only the writer runs (it would deadlock)."""
+
+
+class UnsafeWriteError(SafeIOError):
+    """The audit sanitizer saw a truncating or destructive write to a shared path outside a safeio stage."""

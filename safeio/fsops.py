@@ -1,0 +1,67 @@
+"""Local filesystem operations shared by promotion and recovery: permissions and tree removal."""
+
+from __future__ import annotations
+
+import errno
+import logging
+import os
+import shutil
+import stat
+import time
+
+from safeio.storage import current_umask
+
+logger = logging.getLogger("safeio")
+
+# NFS renames a removed-but-open file to .nfsXXXX ("silly rename"); its directory cannot be removed
+# until the reader closes it. Retry briefly, then leave the remains to `safeio gc`.
+_REMOVE_ATTEMPTS = 3
+
+
+def normalize_permissions(root: str) -> None:
+    """Give ``root`` and everything in it the modes a plain mkdir/open under the umask would give.
+
+    The stage is created by safeio, but tools write into it with their own modes (safetensors writes
+    weights 0600 through mkstemp); a replicated checkpoint must be readable by whoever could read a
+    checkpoint written without safeio.
+    """
+    umask = current_umask()
+    dir_mode, file_mode = 0o777 & ~umask, 0o666 & ~umask
+    for dirpath, dirnames, filenames in os.walk(root):
+        for name in filenames:
+            full = os.path.join(dirpath, name)
+            st = os.lstat(full)
+            if stat.S_ISREG(st.st_mode):
+                wanted = file_mode | (st.st_mode & 0o111 & ~umask)
+                if stat.S_IMODE(st.st_mode) != wanted:
+                    os.chmod(full, wanted)
+        for name in dirnames:
+            full = os.path.join(dirpath, name)
+            if not os.path.islink(full) and stat.S_IMODE(os.lstat(full).st_mode) != dir_mode:
+                os.chmod(full, dir_mode)
+    if stat.S_IMODE(os.lstat(root).st_mode) != dir_mode:
+        os.chmod(root, dir_mode)
+
+
+def remove_tree(path: str, *, what: str = "leftover") -> bool:
+    """Remove ``path`` (directory, file or link). False if NFS silly-renamed files kept it alive."""
+    for attempt in range(_REMOVE_ATTEMPTS):
+        try:
+            if os.path.isdir(path) and not os.path.islink(path):
+                shutil.rmtree(path)
+            else:
+                os.unlink(path)
+            return True
+        except FileNotFoundError:
+            return True
+        except OSError as exc:
+            if exc.errno not in (errno.ENOTEMPTY, errno.EBUSY):
+                raise
+            time.sleep(0.05 * (attempt + 1))  # a reader may close its file in a moment
+    logger.warning(
+        "could not remove %s %s yet: files in it are still open elsewhere (NFS silly-renamed .nfs*); "
+        "`safeio gc` will remove it later",
+        what,
+        path,
+    )
+    return False

@@ -1,0 +1,91 @@
+"""The promotion lock beside a target: one writer job at a time promotes it.
+
+filelock's default lock is ``flock``, which does not exclude across NFS clients (and is purely local on
+``nolock``/``local_lock=all`` mounts). On a network filesystem ``lock="auto"`` therefore uses filelock's
+``SoftFileLease``: an exclusive-create marker refreshed by a heartbeat, which a peer may take over once
+the holder has stopped refreshing it for ``lease_duration`` — so a crashed holder never blocks the
+target forever. ``"strict"`` is filelock's fail-closed ``StrictSoftFileLock`` (a crashed holder's claim
+needs a manual break).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import time
+from collections.abc import Iterator
+from typing import Literal
+
+import filelock
+
+from safeio.errors import LockTimeout
+from safeio.names import lock_name
+from safeio.storage import is_network_path
+
+logger = logging.getLogger("safeio")
+
+LockSetting = bool | Literal["auto", "flock", "lease", "strict"]
+LEASE_DURATION = float(os.environ.get("SAFEIO_LEASE_SECONDS", "30"))
+
+
+def lock_path_for(parent: str, target_name: str) -> str:
+    return os.path.join(parent, lock_name(target_name))
+
+
+def make_lock(path: str, setting: LockSetting, timeout: float) -> filelock.BaseFileLock | None:
+    if setting is False:
+        return None
+    kind = setting
+    if setting is True:
+        kind = "flock"
+    elif setting == "auto":
+        kind = "lease" if is_network_path(os.path.dirname(path)) else "flock"
+    if kind == "flock":
+        return filelock.FileLock(path, timeout=timeout)
+    if kind == "lease":
+        return filelock.SoftFileLease(path, timeout=timeout, lease_duration=LEASE_DURATION)
+    if kind == "strict":
+        return filelock.StrictSoftFileLock(path, timeout=timeout)
+    raise ValueError(f"lock must be True, False, 'auto', 'flock', 'lease' or 'strict', got {setting!r}")
+
+
+@contextlib.contextmanager
+def held(lock: filelock.BaseFileLock | None, target: str, rank: int) -> Iterator[None]:
+    """Hold ``lock`` (if any) for the block; a lock not acquired in time raises LockTimeout."""
+    if lock is None:
+        yield
+        return
+    started = time.monotonic()
+    try:
+        lock.acquire()
+    except filelock.Timeout as exc:
+        holder = getattr(exc, "_holder", None) or _describe_holder(lock)
+        who = f", held by {holder}" if holder else ""
+        raise LockTimeout(
+            f"rank {rank}: could not acquire the promotion lock {lock.lock_file} for {target} "
+            f"within {lock.timeout:g} s{who}",
+            lock.lock_file,
+            holder=holder,
+        ) from exc
+    acquired = time.monotonic()
+    logger.debug("rank %d: lock %s acquired in %.1f ms", rank, lock.lock_file, (acquired - started) * 1e3)
+    try:
+        yield
+    finally:
+        lock.release()
+        logger.debug(
+            "rank %d: lock %s held for %.1f ms", rank, lock.lock_file, (time.monotonic() - acquired) * 1e3
+        )
+
+
+def _describe_holder(lock: filelock.BaseFileLock) -> str | None:
+    # Soft locks record their owner (pid, host) in the marker; flock records nothing.
+    try:
+        with open(lock.lock_file, encoding="utf-8", errors="replace") as f:
+            fields = dict(line.partition("=")[::2] for line in f.read(4096).splitlines())
+    except OSError:
+        return None
+    if "pid" not in fields:
+        return None
+    return f"pid {fields['pid']} on {fields.get('host', 'an unknown host')}"

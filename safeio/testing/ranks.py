@@ -1,0 +1,160 @@
+"""Run a function on N ranks of a real torch.distributed job (gloo over loopback).
+
+Rank 0 hosts the TCPStore, as under torchrun; every rank gets ``RANK``/``WORLD_SIZE``/``MASTER_*`` in its
+environment and an initialized default process group. The parent collects each rank's return value or
+exception (pickled, with its traceback) and kills every rank that has not finished by ``timeout``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import multiprocessing as mp
+import os
+import queue
+import socket
+import time
+import traceback
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+_START_METHOD = os.environ.get("SAFEIO_MP_START", "forkserver")
+
+
+@dataclass
+class RankResult:
+    rank: int
+    value: Any = None
+    error: BaseException | None = None
+    traceback: str = ""
+
+    @property
+    def ok(self) -> bool:
+        return self.error is None
+
+
+class RanksFailed(AssertionError):
+    """Some ranks raised or never finished; the message holds every rank's story."""
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _rank_main(
+    fn: Callable[..., Any],
+    rank: int,
+    world_size: int,
+    port: int,
+    args: tuple[Any, ...],
+    env: dict[str, str],
+    results: Any,
+    init_timeout: float,
+) -> None:
+    os.environ.update(env)
+    os.environ.update(
+        {
+            "RANK": str(rank),
+            "WORLD_SIZE": str(world_size),
+            "LOCAL_RANK": str(rank),
+            "LOCAL_WORLD_SIZE": str(world_size),
+        }
+    )
+    os.environ.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)})
+    import torch.distributed as dist
+
+    try:
+        dist.init_process_group(
+            "gloo", rank=rank, world_size=world_size, timeout=timedelta(seconds=init_timeout)
+        )
+        value = fn(rank, world_size, *args)
+    except BaseException as exc:
+        payload: tuple[Any, ...]
+        try:
+            import pickle
+
+            pickle.dumps(exc)
+            payload = (rank, None, exc, traceback.format_exc())
+        except Exception:
+            payload = (rank, None, RuntimeError(f"{type(exc).__name__}: {exc}"), traceback.format_exc())
+        results.put(payload)
+    else:
+        results.put((rank, value, None, ""))
+    finally:
+        with contextlib.suppress(Exception):
+            if dist.is_initialized():
+                dist.destroy_process_group()
+
+
+def run_ranks(
+    fn: Callable[..., Any],
+    world_size: int,
+    *args: Any,
+    timeout: float = 120.0,
+    env: dict[str, str] | None = None,
+    check: bool = True,
+) -> list[RankResult]:
+    """Call ``fn(rank, world_size, *args)`` on ``world_size`` gloo ranks; return one result per rank.
+
+    ``fn`` must be importable by module path (a module-level function). With ``check`` (default) any
+    rank's exception or a timeout raises RanksFailed describing every rank.
+    """
+    ctx: Any = mp.get_context(_START_METHOD)
+    if _START_METHOD == "forkserver":
+        ctx.set_forkserver_preload(["torch.distributed"])
+    results = ctx.Queue()
+    port = free_port()
+    procs = [
+        ctx.Process(
+            target=_rank_main,
+            args=(fn, rank, world_size, port, args, dict(env or {}), results, min(timeout, 60.0)),
+            name=f"safeio-rank-{rank}",
+        )
+        for rank in range(world_size)
+    ]
+    for proc in procs:
+        proc.start()
+    collected: dict[int, RankResult] = {}
+    deadline = time.monotonic() + timeout
+    try:
+        while len(collected) < world_size:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                break
+            try:
+                rank, value, error, tb = results.get(timeout=min(remaining, 1.0))
+            except queue.Empty:
+                if all(not p.is_alive() for p in procs) and results.empty():
+                    break
+                continue
+            collected[rank] = RankResult(rank, value, error, tb)
+    finally:
+        for proc in procs:
+            proc.join(timeout=max(0.0, min(5.0, deadline - time.monotonic())))
+            if proc.is_alive():
+                proc.kill()
+                proc.join(5)
+        results.close()
+    out = []
+    for rank, proc in enumerate(procs):
+        if rank in collected:
+            out.append(collected[rank])
+        else:
+            reason = "timed out" if proc.exitcode in (None, -9) else f"exited with code {proc.exitcode}"
+            out.append(RankResult(rank, None, TimeoutError(f"rank {rank} {reason} without reporting"), ""))
+    if check and not all(r.ok for r in out):
+        raise RanksFailed(describe(out))
+    return out
+
+
+def describe(results: list[RankResult]) -> str:
+    lines = []
+    for r in results:
+        if r.ok:
+            lines.append(f"rank {r.rank}: ok -> {r.value!r}")
+        else:
+            lines.append(f"rank {r.rank}: {type(r.error).__name__}: {r.error}\n{r.traceback}")
+    return "\n".join(lines)

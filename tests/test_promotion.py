@@ -1,0 +1,263 @@
+"""Promotion modes, fallbacks and recovery on the local disk (single process)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import safeio
+from safeio import manifest
+from safeio.names import NAME_MAX, parse, sibling_name
+from safeio.recovery import recover_directory
+
+
+def save(target: Path, files: dict[str, str], **options: object) -> None:
+    with safeio.replicated(target, **options) as stage:  # type: ignore[arg-type]
+        for rel, text in files.items():
+            p = Path(stage.path, rel)
+            p.parent.mkdir(parents=True, exist_ok=True)
+            p.write_text(text)
+
+
+def listing(directory: Path) -> list[str]:
+    return sorted(os.listdir(directory))
+
+
+def dead_pid() -> int:
+    proc = subprocess.Popen([sys.executable, "-c", "pass"])
+    proc.wait()
+    return proc.pid
+
+
+def test_replace_swaps_the_whole_directory(tmp_path: Path) -> None:
+    target = tmp_path / "tok"
+    save(target, {"a.json": "1", "b.json": "1"})
+    save(target, {"a.json": "2"})
+    assert listing(target) == [manifest.MANIFEST_NAME, "a.json"]
+    assert (target / "a.json").read_text() == "2"
+    assert listing(tmp_path) == [".tok.safeio.lock", "tok"]
+    assert safeio.verify(target) == []
+
+
+def test_replace_fallback_without_rename_exchange(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("SAFEIO_NO_EXCHANGE", "1")
+    target = tmp_path / "tok"
+    save(target, {"a.json": "1"})
+    seen: list[list[str]] = []
+    real_rename = os.rename
+
+    def observing_rename(src: str, dst: str) -> None:
+        real_rename(src, dst)
+        seen.append(listing(tmp_path))
+
+    monkeypatch.setattr(os, "rename", observing_rename)
+    save(target, {"a.json": "2"})
+    # Intermediate states: old aside (target name missing, no partial directory), then new in place.
+    kinds_after_first = {parse(n).kind for n in seen[0] if parse(n)}
+    assert "tok" not in seen[0] and kinds_after_first == {"old", "stage"}
+    assert "tok" in seen[1] and {parse(n).kind for n in seen[1] if parse(n)} == {"old"}
+    assert (target / "a.json").read_text() == "2"
+    assert listing(tmp_path) == [".tok.safeio.lock", "tok"]
+
+
+def test_replace_fallback_puts_the_old_version_back_if_the_new_cannot_go_in(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("SAFEIO_NO_EXCHANGE", "1")
+    target = tmp_path / "tok"
+    save(target, {"a.json": "old"})
+    real_rename = os.rename
+
+    def failing_second_rename(src: str, dst: str) -> None:
+        if ".safeio-stage-" in os.path.basename(src):
+            raise OSError(5, "Input/output error")
+        real_rename(src, dst)
+
+    monkeypatch.setattr(os, "rename", failing_second_rename)
+    with pytest.raises(safeio.PromotionError, match="Input/output error") as info:
+        save(target, {"a.json": "new"})
+    assert info.value.path == str(target)
+    assert (target / "a.json").read_text() == "old"
+    assert listing(tmp_path) == [".tok.safeio.lock", "tok"]
+
+
+def test_a_kill_between_the_fallback_renames_is_recovered(tmp_path: Path) -> None:
+    """The instant where the name is missing: the next save (or gc) restores the old version first."""
+    target = tmp_path / "tok"
+    save(target, {"a.json": "old"})
+    pid = dead_pid()
+    aside = tmp_path / sibling_name("tok", "old").replace(f"-{os.getpid()}-", f"-{pid}-")
+    stage = tmp_path / sibling_name("tok", "stage").replace(f"-{os.getpid()}-", f"-{pid}-")
+    os.rename(target, aside)
+    stage.mkdir()
+    (stage / "a.json").write_text("half")
+    actions = recover_directory(str(tmp_path), dry_run=True)
+    assert {a.verb for a in actions} == {"restore", "remove"} and not target.exists()
+    actions = recover_directory(str(tmp_path))
+    assert (target / "a.json").read_text() == "old"
+    assert listing(tmp_path) == [".tok.safeio.lock", "tok"]
+
+
+def test_merge_keeps_other_files_and_merges_the_manifest(tmp_path: Path) -> None:
+    target = tmp_path / "checkpoint-1"
+    save(target, {"model.safetensors": "weights", "config.json": "c1"}, mode="replace")
+    save(target, {"tokenizer.json": "t", "config.json": "c2"}, mode="merge")
+    assert listing(target) == [manifest.MANIFEST_NAME, "config.json", "model.safetensors", "tokenizer.json"]
+    assert (target / "model.safetensors").read_text() == "weights"
+    assert (target / "config.json").read_text() == "c2"
+    recorded = json.loads((target / manifest.MANIFEST_NAME).read_text())["files"]
+    assert sorted(recorded) == ["config.json", "model.safetensors", "tokenizer.json"]
+    assert safeio.verify(target) == []
+
+
+def test_merge_never_truncates_a_file_in_place(tmp_path: Path) -> None:
+    target = tmp_path / "d"
+    save(target, {"a": "old"}, mode="merge")
+    inode_before = os.stat(target / "a").st_ino
+    with open(target / "a") as reader:  # a reader holding the old file keeps reading the old content
+        save(target, {"a": "new"}, mode="merge")
+        assert reader.read() == "old"
+    assert os.stat(target / "a").st_ino != inode_before
+    assert (target / "a").read_text() == "new"
+
+
+def test_interrupted_merge_is_rolled_forward(tmp_path: Path) -> None:
+    target = tmp_path / "d"
+    save(target, {"a": "1", "b": "1", "keep": "k"}, mode="merge")
+    pid = dead_pid()
+    stage = tmp_path / sibling_name("d", "stage").replace(f"-{os.getpid()}-", f"-{pid}-")
+    stage.mkdir()
+    (stage / "b").write_text("2")  # "a" was already replaced before the crash
+    (target / "a").write_text("2")
+    (stage / manifest.MERGE_INTENT_NAME).write_text(json.dumps({"target_name": "d", "files": ["a", "b"]}))
+    save(target, {"c": "2"}, mode="merge")  # the next save of the target completes the old merge first
+    assert [(target / n).read_text() for n in ("a", "b", "c", "keep")] == ["2", "2", "2", "k"]
+    assert listing(tmp_path) == [".d.safeio.lock", "d"]
+
+
+def test_merge_conflict_is_refused_before_anything_moves(tmp_path: Path) -> None:
+    target = tmp_path / "d"
+    save(target, {"sub/x": "1"}, mode="replace")
+    with pytest.raises(safeio.InvalidTargetError, match="is a directory there"):
+        save(target, {"sub": "file now", "other": "o"}, mode="merge")
+    assert listing(target) == [manifest.MANIFEST_NAME, "sub"]
+    assert listing(tmp_path) == [".d.safeio.lock", "d"]
+
+
+def test_error_mode(tmp_path: Path) -> None:
+    target = tmp_path / "d"
+    save(target, {"a": "1"}, mode="error")
+    with pytest.raises(safeio.TargetExistsError) as info:
+        save(target, {"a": "2"}, mode="error")
+    assert isinstance(info.value, FileExistsError) and str(target) in str(info.value)
+    assert (target / "a").read_text() == "1"
+
+
+def test_versioned_swaps_a_symlink_and_snapshot_is_stable(tmp_path: Path) -> None:
+    target = tmp_path / "tok"
+    save(target, {"a": "1"}, mode="versioned")
+    first = safeio.snapshot(target)
+    save(target, {"a": "2"}, mode="versioned")
+    assert os.path.islink(target) and (target / "a").read_text() == "2"
+    assert Path(first, "a").read_text() == "1"  # a reader that resolved once keeps its version
+    assert safeio.snapshot(target) != first
+
+
+def test_stale_stages_of_dead_owners_are_swept_live_ones_kept(tmp_path: Path) -> None:
+    target = tmp_path / "tok"
+    dead = tmp_path / sibling_name("tok", "stage").replace(f"-{os.getpid()}-", f"-{dead_pid()}-")
+    live = tmp_path / sibling_name("tok", "stage")  # this process: alive
+    lookalike = tmp_path / ".tok.safeio-stage-notours"
+    for d in (dead, live, lookalike):
+        d.mkdir()
+    save(target, {"a": "1"})
+    assert not dead.exists() and live.exists() and lookalike.exists()
+
+
+@pytest.mark.parametrize("umask", [0o022, 0o077])
+def test_permissions_follow_the_umask(tmp_path: Path, umask: int) -> None:
+    old = os.umask(umask)
+    try:
+        target = tmp_path / "tok"
+        with safeio.replicated(target) as stage:
+            fd = os.open(os.path.join(stage.path, "model.safetensors"), os.O_CREAT | os.O_WRONLY, 0o600)
+            os.close(fd)  # like safetensors' mkstemp: 0600 whatever the umask
+            Path(stage.path, "config.json").write_text("{}")
+            os.mkdir(os.path.join(stage.path, "sub"))
+    finally:
+        os.umask(old)
+    assert os.stat(target).st_mode & 0o777 == 0o777 & ~umask
+    assert os.stat(target / "sub").st_mode & 0o777 == 0o777 & ~umask
+    for name in ("model.safetensors", "config.json"):
+        assert os.stat(target / name).st_mode & 0o777 == 0o666 & ~umask
+
+
+@pytest.mark.parametrize(
+    "name",
+    ["x" * NAME_MAX, "é" * 127, "токенизатор 🚀", "with space", "new\nline"],
+    ids=["255-bytes", "254-bytes-2-byte-chars", "unicode", "space", "newline"],
+)
+def test_hostile_names(tmp_path: Path, name: str) -> None:
+    target = tmp_path / name
+    save(target, {"a": "1"})
+    save(target, {"a": "2"})
+    assert (target / "a").read_text() == "2"
+    assert [n for n in listing(tmp_path) if ".safeio-" in n and not n.endswith(".lock")] == []
+
+
+def test_target_is_a_foreign_symlink(tmp_path: Path) -> None:
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    (elsewhere / "keep").write_text("k")
+    (tmp_path / "link").symlink_to(elsewhere)
+    with pytest.raises(safeio.InvalidTargetError, match="symlink"):
+        save(tmp_path / "link", {"a": "1"})
+    assert listing(elsewhere) == ["keep"]
+
+
+def test_parent_is_created(tmp_path: Path) -> None:
+    target = tmp_path / "a" / "b" / "c"
+    save(target, {"x": "1"})
+    assert (target / "x").read_text() == "1"
+
+
+def test_dotdot_in_path_is_normalised(tmp_path: Path) -> None:
+    (tmp_path / "a").mkdir()
+    save(tmp_path / "a" / ".." / "b", {"x": "1"})
+    assert (tmp_path / "b" / "x").read_text() == "1"
+
+
+def test_body_error_and_cleanup_error_first_error_wins(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from safeio.promote import LocalPromoter
+
+    def broken_discard(self: LocalPromoter, stage: str) -> None:
+        raise PermissionError(13, "cannot remove", stage)
+
+    monkeypatch.setattr(LocalPromoter, "discard", broken_discard)
+    with pytest.raises(KeyError, match="body") as info, safeio.replicated(tmp_path / "t"):
+        raise KeyError("body")
+    assert isinstance(info.value.__context__, PermissionError)
+
+
+def test_non_durable_manifest_has_sizes_but_no_hashes(tmp_path: Path) -> None:
+    save(tmp_path / "fast", {"a": "1"}, durable=False)
+    save(tmp_path / "safe", {"a": "1"}, durable=True)
+    fast = json.loads((tmp_path / "fast" / manifest.MANIFEST_NAME).read_text())["files"]["a"]
+    safe = json.loads((tmp_path / "safe" / manifest.MANIFEST_NAME).read_text())["files"]["a"]
+    assert fast == {"size": 1} and set(safe) == {"size", "sha256"}
+
+
+def test_verify_finds_damage(tmp_path: Path) -> None:
+    target = tmp_path / "t"
+    save(target, {"a": "1111", "b": "2"})
+    (target / "a").write_text("2222")
+    (target / "b").unlink()
+    assert safeio.verify(target) == ["sha256 mismatch: a", "missing: b"]
+    assert not safeio.is_complete(target)

@@ -53,14 +53,17 @@ cmd=${1:-help}
 case "$cmd" in
   demo)
     ensure_fuse; ensure_venv
-    exec "$VENV/bin/python" examples/replicated_tokenizer.py "$@" ;;
+    exec "$VENV/bin/safeio" demo "$@" ;;
   test)
     ensure_fuse; ensure_venv
     exec "$VENV/bin/python" -m pytest "$@" ;;
   lint)
     ensure_venv
-    "$VENV/bin/ruff" check safeio tests examples benchmarks
-    "$VENV/bin/ruff" format --check safeio tests examples benchmarks
+    paths=$(ls -d safeio tests examples benchmarks scripts 2>/dev/null)
+    # shellcheck disable=SC2086 # one word per directory
+    "$VENV/bin/ruff" check $paths
+    # shellcheck disable=SC2086
+    "$VENV/bin/ruff" format --check $paths
     exec "$VENV/bin/mypy" ;;
   bench)
     ensure_fuse; ensure_venv

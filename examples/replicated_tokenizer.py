@@ -15,33 +15,17 @@ import tempfile
 import time
 
 import safeio
+from safeio.testing import hf_objects
 from safeio.testing.ranks import run_ranks
-
-
-def build_tokenizer() -> object:
-    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
-
-    tk = Tokenizer(models.WordLevel(unk_token="<unk>"))
-    tk.pre_tokenizer = pre_tokenizers.Whitespace()
-    tk.train_from_iterator(
-        ["hello world", "shared nfs checkpoint race", "one writer atomic rename"],
-        trainers.WordLevelTrainer(special_tokens=["<unk>", "<pad>", "<s>", "</s>"]),
-    )
-    return PreTrainedTokenizerFast(
-        tokenizer_object=tk, unk_token="<unk>", pad_token="<pad>", bos_token="<s>", eos_token="</s>"
-    )
 
 
 def rank_main(rank: int, world: int, target: str) -> str:
     from transformers import AutoTokenizer
 
-    tokenizer = build_tokenizer()
+    tokenizer = hf_objects.fast_tokenizer()  # built in code: no model hub needed
     start = time.monotonic()
     group = safeio.current_group()
-    with safeio.replicated(target, mode="merge") as stage:
-        if stage.is_writer:
-            tokenizer.save_pretrained(stage.path)  # type: ignore[attr-defined]
+    safeio.save_pretrained(tokenizer, target)  # every rank calls it, exactly like tokenizer.save_pretrained
     took = (time.monotonic() - start) * 1e3
     reloaded = AutoTokenizer.from_pretrained(target)
     ids = reloaded("hello world")["input_ids"]

@@ -22,6 +22,7 @@ from dataclasses import asdict, dataclass
 from datetime import timedelta
 from typing import Any
 
+from safeio._who import who
 from safeio.errors import PeerTimeout, RemoteWriterError
 from safeio.group import Group, job_id
 
@@ -41,6 +42,31 @@ def target_digest(target_url: str) -> str:
     return hashlib.sha256(target_url.encode("utf-8", "surrogateescape")).hexdigest()[:20]
 
 
+def encode_value(value: Any) -> Any:
+    """A JSON form of a save's return value (tuples survive, as HF returns tuples of paths)."""
+    if isinstance(value, tuple):
+        return {"__tuple__": [encode_value(v) for v in value]}
+    if isinstance(value, list):
+        return [encode_value(v) for v in value]
+    if isinstance(value, dict):
+        return {str(k): encode_value(v) for k, v in value.items()}
+    if isinstance(value, os.PathLike):
+        return os.fspath(value)
+    if value is None or isinstance(value, (str, int, float, bool)):
+        return value
+    return repr(value)
+
+
+def decode_value(value: Any) -> Any:
+    if isinstance(value, dict):
+        if set(value) == {"__tuple__"}:
+            return tuple(decode_value(v) for v in value["__tuple__"])
+        return {k: decode_value(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [decode_value(v) for v in value]
+    return value
+
+
 @dataclass(frozen=True)
 class Outcome:
     ok: bool
@@ -48,6 +74,7 @@ class Outcome:
     writer_rank: int
     error_type: str | None = None
     error_message: str | None = None
+    value: Any = None  # the writer's result (encode_value form), handed to every rank
 
     def encode(self) -> bytes:
         return json.dumps(asdict(self)).encode()
@@ -97,6 +124,8 @@ class Channel:
         self.ack_key = self.key + "/acks"
         self.phase = "start"
         self.phase_since = time.time()
+        self._landed_value: Any = None
+        self._publishing = threading.Lock()  # safeio.watchdog: see heartbeat
 
     @classmethod
     def open(cls, group: Group, target_url: str) -> Channel:
@@ -119,23 +148,32 @@ class Channel:
         self.phase, self.phase_since = phase, time.time()
         self.heartbeat()
 
-    def heartbeat(self) -> None:
-        """Publish the current phase (refreshed by the watchdog while a phase lasts)."""
+    def heartbeat(self, *, wait: bool = True) -> None:
+        """Publish the current phase (refreshed by the watchdog while a phase lasts).
+
+        ``wait=False`` (the watchdog) skips the refresh if the writer thread is publishing right now.
+        """
         store = self.group.store
         if store is None or self.group.world_size == 1:
             return
-        record = {
-            "phase": self.phase,
-            "since": self.phase_since,
-            "heard": time.time(),
-            "host": self.group.host,
-            "pid": os.getpid(),
-            "rank": self.group.rank,
-        }
+        # safeio.watchdog: one publisher at a time, so a refresh read before a phase change cannot land
+        # after it and show peers the old phase.
+        if not self._publishing.acquire(blocking=wait):
+            return
         try:
+            record = {
+                "phase": self.phase,
+                "since": self.phase_since,
+                "heard": time.time(),
+                "host": self.group.host,
+                "pid": os.getpid(),
+                "rank": self.group.rank,
+            }
             store.set(self.phase_key, json.dumps(record))
         except Exception as exc:  # progress is advisory: never fail a save because peers cannot see it
-            logger.debug("rank %d: could not publish phase of %s: %s", self.group.rank, self.target_url, exc)
+            logger.debug("%s: could not publish phase of %s: %s", who(self.group.rank), self.target_url, exc)
+        finally:
+            self._publishing.release()
 
     def publish(self, outcome: Outcome) -> None:
         store = self.group.store
@@ -146,8 +184,8 @@ class Channel:
         except Exception as exc:
             # Peers fall back to the filesystem (or time out with a PeerTimeout naming this rank).
             logger.warning(
-                "rank %d: could not publish the outcome of %s to the store: %s",
-                self.group.rank,
+                "%s: could not publish the outcome of %s to the store: %s",
+                who(self.group.rank),
                 self.target_url,
                 exc,
             )
@@ -159,12 +197,25 @@ class Channel:
 
     # -- non-writer side ---------------------------------------------------------------------------
 
-    def wait(self, timeout: float, landed: Callable[[], bool] | None) -> Outcome:
+    def wait(
+        self, timeout: float, landed: Callable[[], bool] | None, result: Callable[[], Any] | None = None
+    ) -> Outcome:
         """Wait for the writer's outcome for at most ``timeout`` seconds.
 
         ``landed`` checks the filesystem for this save's promoted result; it is used when there is no
-        store or it becomes unreachable.
+        store or it becomes unreachable, and then ``result`` reads the writer's recorded return value.
         """
+        self._landed_value = None
+        if result is not None and landed is not None:
+            inner = landed
+
+            def landed_with_result() -> bool:
+                if not inner():
+                    return False
+                self._landed_value = result()
+                return True
+
+            landed = landed_with_result
         start = time.monotonic()
         deadline = start + timeout
         store = self.group.store
@@ -173,6 +224,22 @@ class Channel:
             if outcome is not None:
                 return outcome
         return self._wait_filesystem(landed, deadline, start)
+
+    def wait_visible(self, landed: Callable[[], bool], deadline: float) -> None:
+        """After a successful outcome: wait (bounded) until the promoted result is visible to this rank."""
+        pause, waited_from = _FIRST_PAUSE, time.monotonic()
+        while not landed():
+            if time.monotonic() >= deadline:
+                raise PeerTimeout(
+                    f"rank {self.group.rank}: rank {self.group.writer} promoted {self.target_url}, but this "
+                    f"rank still does not see that version after {time.monotonic() - waited_from:.1f} s "
+                    "(a stale client cache on a network filesystem?)",
+                    self.target_url,
+                    waited_for=self.group.writer,
+                    phase="done",
+                )
+            time.sleep(min(pause, max(deadline - time.monotonic(), 0)))  # bounded poll of the filesystem
+            pause = min(pause * 2, 0.5)
 
     def _wait_store(self, store: Any, deadline: float, start: float) -> Outcome | None:
         # store.wait returns as soon as the key is set, so long slices cost no latency; each slice that
@@ -188,15 +255,15 @@ class Channel:
                 if not _is_store_timeout(exc):
                     # Expected at the end of a run: rank 0 hosts the TCPStore and may already have left.
                     logger.info(
-                        "rank %d: the store became unreachable while waiting for %s (%s); "
+                        "%s: the store became unreachable while waiting for %s (%s); "
                         "watching the filesystem instead",
-                        self.group.rank,
+                        who(self.group.rank),
                         self.target_url,
                         exc,
                     )
                     return None
                 if time.monotonic() < deadline:
-                    logger.info("rank %d: still waiting: %s", self.group.rank, self._writer_status())
+                    logger.info("%s: still waiting: %s", who(self.group.rank), self._writer_status())
                 continue
             self._acknowledge(store)
             return Outcome.decode(raw)
@@ -208,21 +275,21 @@ class Channel:
                 for key in (self.key, self.phase_key, self.ack_key):
                     _delete_quietly(store, key)
         except Exception as exc:
-            logger.debug("rank %d: could not acknowledge %s: %s", self.group.rank, self.key, exc)
+            logger.debug("%s: could not acknowledge %s: %s", who(self.group.rank), self.key, exc)
 
     def _wait_filesystem(self, landed: Callable[[], bool] | None, deadline: float, start: float) -> Outcome:
         pause, next_log = _FIRST_PAUSE, start + _LOG_EVERY
         while True:
             if landed is not None and landed():
-                return Outcome(True, self.target_url, self.group.writer)
+                return Outcome(True, self.target_url, self.group.writer, value=self._landed_value)
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 raise self._timeout(time.monotonic() - start)
             if time.monotonic() >= next_log:
                 next_log += _LOG_EVERY
                 logger.info(
-                    "rank %d: still waiting for %s to appear on the filesystem",
-                    self.group.rank,
+                    "%s: still waiting for %s to appear on the filesystem",
+                    who(self.group.rank),
                     self.target_url,
                 )
             time.sleep(min(pause, remaining))  # bounded poll: a filesystem offers nothing to block on

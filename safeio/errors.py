@@ -8,6 +8,7 @@
     ├── PeerTimeout                  (TimeoutError)     a rank waited past its timeout for the writer
     ├── RemoteWriterError                               raised on non-writers when the writer failed
     ├── CollectiveInWriterSection    (RuntimeError)     a collective inside a writer-only section
+    ├── UnsupportedSaveError         (TypeError)        an object or option safeio cannot save safely
     └── UnsafeWriteError                                the audit sanitizer found an unsafe write
 
 Errors cross process boundaries in distributed code (a writer's failure is shipped to its peers, a
@@ -101,6 +102,10 @@ class RemoteWriterError(SafeIOError):
 
 class CollectiveInWriterSection(SafeIOError, RuntimeError):
     """A torch.distributed collective was called while only the writer runs (it would deadlock)."""
+
+
+class UnsupportedSaveError(SafeIOError, TypeError):
+    """An object without ``save_pretrained``, or an option that is not a file write (``push_to_hub``)."""
 
 
 class UnsafeWriteError(SafeIOError):

@@ -9,6 +9,7 @@ import shutil
 import stat
 import time
 
+from safeio._who import who
 from safeio.storage import current_umask
 
 logger = logging.getLogger("safeio")
@@ -59,8 +60,9 @@ def remove_tree(path: str, *, what: str = "leftover") -> bool:
                 raise
             time.sleep(0.05 * (attempt + 1))  # a reader may close its file in a moment
     logger.warning(
-        "could not remove %s %s yet: files in it are still open elsewhere (NFS silly-renamed .nfs*); "
+        "%s: could not remove %s %s yet: files in it are still open elsewhere (NFS silly-renamed .nfs*); "
         "`safeio gc` will remove it later",
+        who(),
         what,
         path,
     )

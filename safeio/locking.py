@@ -19,6 +19,7 @@ from typing import Literal
 
 import filelock
 
+from safeio._who import who
 from safeio.errors import LockTimeout
 from safeio.names import lock_name
 from safeio.storage import is_network_path
@@ -33,6 +34,33 @@ def lock_path_for(parent: str, target_name: str) -> str:
     return os.path.join(parent, lock_name(target_name))
 
 
+class _SoftFileLease(filelock.SoftFileLease):
+    """filelock's SoftFileLease, able to take over a dead holder's lease where exchange is refused.
+
+    filelock takes a stale lease over with renameat2(RENAME_EXCHANGE) and, where the filesystem refuses
+    it (NFS, FUSE: EINVAL), silently gives up: a holder that crashed would block the target until every
+    later writer timed out (observed on the NFS-like mount: LockTimeout with the holder long dead).
+    Then break the stale marker by renaming it aside and checking it is the one judged stale. A peer
+    that recreated the marker in between has its marker put back; that window (microseconds, only
+    ever after a holder died) is the race filelock accepts where it has no exchange at all.
+    """
+
+    def _take_over(self, marker: os.stat_result, breaker_pid: int | None) -> None:
+        super()._take_over(marker, breaker_pid)
+        lock_file = self.lock_file
+        with contextlib.suppress(OSError):
+            current = os.lstat(lock_file)
+            if (current.st_ino, current.st_mtime) != (marker.st_ino, marker.st_mtime):
+                return  # taken over (or replaced by a peer): nothing left to break
+            aside = f"{lock_file}.break-{os.getpid()}"
+            os.rename(lock_file, aside)
+            if os.lstat(aside).st_ino == marker.st_ino:
+                os.unlink(aside)
+                logger.warning("%s: broke the expired lease %s of a dead holder", who(), lock_file)
+            else:
+                os.rename(aside, lock_file)
+
+
 def make_lock(path: str, setting: LockSetting, timeout: float) -> filelock.BaseFileLock | None:
     if setting is False:
         return None
@@ -44,7 +72,7 @@ def make_lock(path: str, setting: LockSetting, timeout: float) -> filelock.BaseF
     if kind == "flock":
         return filelock.FileLock(path, timeout=timeout)
     if kind == "lease":
-        return filelock.SoftFileLease(path, timeout=timeout, lease_duration=LEASE_DURATION)
+        return _SoftFileLease(path, timeout=timeout, lease_duration=LEASE_DURATION)
     if kind == "strict":
         return filelock.StrictSoftFileLock(path, timeout=timeout)
     raise ValueError(f"lock must be True, False, 'auto', 'flock', 'lease' or 'strict', got {setting!r}")
@@ -61,21 +89,22 @@ def held(lock: filelock.BaseFileLock | None, target: str, rank: int) -> Iterator
         lock.acquire()
     except filelock.Timeout as exc:
         holder = getattr(exc, "_holder", None) or _describe_holder(lock)
-        who = f", held by {holder}" if holder else ""
+        # Not named `who`: that local would shadow safeio._who.who for the whole function.
+        held_by = f", held by {holder}" if holder else ""
         raise LockTimeout(
             f"rank {rank}: could not acquire the promotion lock {lock.lock_file} for {target} "
-            f"within {lock.timeout:g} s{who}",
+            f"within {lock.timeout:g} s{held_by}",
             lock.lock_file,
             holder=holder,
         ) from exc
     acquired = time.monotonic()
-    logger.debug("rank %d: lock %s acquired in %.1f ms", rank, lock.lock_file, (acquired - started) * 1e3)
+    logger.debug("%s: lock %s acquired in %.1f ms", who(rank), lock.lock_file, (acquired - started) * 1e3)
     try:
         yield
     finally:
         lock.release()
         logger.debug(
-            "rank %d: lock %s held for %.1f ms", rank, lock.lock_file, (time.monotonic() - acquired) * 1e3
+            "%s: lock %s held for %.1f ms", who(rank), lock.lock_file, (time.monotonic() - acquired) * 1e3
         )
 
 

@@ -60,17 +60,25 @@ def build(
     rank: int,
     call: str,
     previous: dict[str, Any] | None = None,
+    result: Any = None,
 ) -> dict[str, Any]:
-    """A manifest for ``files``; with ``previous`` (merge mode) the other objects' entries are kept."""
+    """A manifest for ``files``; with ``previous`` (merge mode) the other objects' entries are kept.
+
+    ``call`` and ``result`` describe the save that wrote it, so that a rank without a store can tell
+    its own save landed and return what the writer returned.
+    """
     merged = dict(previous.get("files", {})) if previous else {}
     merged.update(files)
-    return {
+    record = {
         "format": FORMAT,
         "files": dict(sorted(merged.items())),
         "writer": {"host": socket.gethostname(), "pid": os.getpid(), "rank": rank},
         "call": call,
         "time": time.time(),
     }
+    if result is not None:
+        record["result"] = result
+    return record
 
 
 def dumps(manifest: dict[str, Any]) -> bytes:

@@ -28,6 +28,7 @@ from collections.abc import Callable
 from typing import Any, Literal
 
 from safeio import manifest
+from safeio._who import who
 from safeio.errors import InvalidTargetError, PromotionError, SafeIOError, TargetExistsError
 from safeio.fsops import normalize_permissions, remove_tree
 from safeio.locking import LockSetting, held, lock_path_for, make_lock
@@ -72,6 +73,7 @@ class Promoter(ABC):
         self.rank = rank
         self.call_id = call_id
         self._on_phase = on_phase
+        self.result: Any = None  # the body's result (JSON form), recorded in the manifest
 
     def phase(self, name: str) -> None:
         if self._on_phase is not None:
@@ -92,6 +94,10 @@ class Promoter(ABC):
     @abstractmethod
     def landed(self) -> bool:
         """Whether this save's result is visible and complete at the target (for store-less peers)."""
+
+    @abstractmethod
+    def recorded_result(self) -> Any:
+        """The writer's result as recorded in the target's manifest (for store-less peers)."""
 
     def describe(self, stage: str) -> dict[str, dict[str, Any]]:
         # Hashes only when durable: see safeio.manifest for the cost.
@@ -161,7 +167,7 @@ class LocalPromoter(Promoter):
             os.mkdir(stage, 0o777)  # the umask applies, as for any mkdir (mkdtemp would force 0700)
         except OSError as exc:
             raise _os_error(f"cannot create a stage for {self.target} in {parent}", self.target, exc) from exc
-        logger.debug("rank %d: stage %s created for %s", self.rank, stage, self.target)
+        logger.debug("%s: stage %s created for %s", who(self.rank), stage, self.target)
         return stage
 
     def discard(self, stage: str) -> None:
@@ -169,9 +175,10 @@ class LocalPromoter(Promoter):
 
     def finish(self, stage: str) -> None:
         try:
-            self.phase("fsync")
+            self.phase("manifest")  # describing the stage reads (and, if durable, hashes) every file
             normalize_permissions(stage)
             entries = self.describe(stage) if self.write_manifest else {}
+            self.phase("fsync")
             if self.durable:
                 fsync_tree(stage)
             self.phase("lock")
@@ -187,13 +194,13 @@ class LocalPromoter(Promoter):
             if isinstance(exc, SafeIOError):
                 raise
             raise _os_error(f"could not promote {self.target}", self.target, exc) from exc
-        logger.debug("rank %d: promoted %s (mode %s)", self.rank, self.target, self.mode)
+        logger.debug("%s: promoted %s (mode %s)", who(self.rank), self.target, self.mode)
 
     def _write_manifest(self, stage: str, entries: dict[str, dict[str, Any]], previous: str | None) -> None:
         if not self.write_manifest:
             return
         old = manifest.read(previous) if previous is not None else None
-        record = manifest.build(entries, rank=self.rank, call=self.call_id, previous=old)
+        record = manifest.build(entries, rank=self.rank, call=self.call_id, previous=old, result=self.result)
         manifest.write(stage, record, durable=self.durable)
 
     def _promote(self, stage: str, entries: dict[str, dict[str, Any]]) -> None:
@@ -223,10 +230,10 @@ class LocalPromoter(Promoter):
                     raise
                 _no_exchange.add(device)
                 logger.warning(
-                    "rank %d: the filesystem of %s refuses RENAME_EXCHANGE (%s): replacing by renaming the "
+                    "%s: the filesystem of %s refuses RENAME_EXCHANGE (%s): replacing by renaming the "
                     "old version aside; readers may see the name missing for an instant (mode='versioned' "
                     "avoids that)",
-                    self.rank,
+                    who(self.rank),
                     target,
                     exc.strerror,
                 )
@@ -338,6 +345,10 @@ class LocalPromoter(Promoter):
             and record.get("call") == self.call_id
             and not manifest.problems(directory, record, check_hashes=False)
         )
+
+    def recorded_result(self) -> Any:
+        record = manifest.read(self.target)
+        return record.get("result") if record else None
 
 
 def promoter_for(location: Location, **options: Any) -> Promoter:

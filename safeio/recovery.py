@@ -23,9 +23,10 @@ import os
 import time
 from dataclasses import dataclass
 
-from safeio import manifest
+from safeio import active, manifest
+from safeio._who import who
 from safeio.fsops import remove_tree
-from safeio.names import Sibling, parse, truncated_base
+from safeio.names import Sibling, host_tag, parse, truncated_base
 from safeio.storage import fsync_path
 
 logger = logging.getLogger("safeio")
@@ -86,6 +87,12 @@ def roll_merge_forward(stage: str, target: str, files: list[str], *, durable: bo
 
 def _is_stale(sibling: Sibling, path: str, older_than: float | None, now: float) -> tuple[bool, str]:
     alive = sibling.owner_is_alive()
+    if alive and sibling.pid == os.getpid() and sibling.host == host_tag():
+        # Our own: stale unless a save in this process is using it right now (an aside left behind by
+        # an earlier save because NFS silly-renamed files kept it, say).
+        if active.is_active_stage(path):
+            return False, "a save in this process is using it"
+        alive = False
     if alive:
         return False, f"owner pid {sibling.pid} is alive"
     try:
@@ -162,7 +169,7 @@ def _recover_one(
                 listed = intent["files"]
                 files = [str(f) for f in listed] if isinstance(listed, list) else []
                 roll_merge_forward(path, target, files, durable=durable)
-                logger.warning("rolled an interrupted merge forward into %s (%s)", target, reason)
+                logger.warning("%s: rolled an interrupted merge forward into %s (%s)", who(), target, reason)
             return Action("roll-forward", path, f"interrupted merge into {target}; {reason}", size)
     if sibling.kind == "old":
         old_of = _target_for(sibling, parent, target_name)
@@ -173,7 +180,9 @@ def _recover_one(
                 os.rename(path, old_of)
                 if durable:
                     fsync_path(parent, directory=True)
-                logger.warning("restored the previous version of %s from %s (%s)", old_of, path, reason)
+                logger.warning(
+                    "%s: restored the previous version of %s from %s (%s)", who(), old_of, path, reason
+                )
             return Action("restore", path, f"the target {old_of} was missing; {reason}", size)
     if not dry_run:
         remove_tree(path, what=f"stale {sibling.kind}")

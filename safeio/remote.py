@@ -18,6 +18,7 @@ import tempfile
 from typing import Any
 
 from safeio import manifest
+from safeio._who import who
 from safeio.errors import InvalidTargetError, PromotionError, SafeIOError, TargetExistsError
 from safeio.promote import Promoter
 
@@ -90,6 +91,7 @@ class RemotePromoter(Promoter):
                 rank=self.rank,
                 call=self.call_id,
                 previous=previous if self.mode == "merge" else None,
+                result=self.result,
             )
             self.phase("promote")
             marker = f"{self.prefix}/{manifest.MANIFEST_NAME}"
@@ -107,7 +109,7 @@ class RemotePromoter(Promoter):
             raise PromotionError(f"could not upload {url}: {exc}", url) from exc
         finally:
             shutil.rmtree(stage, ignore_errors=True)
-        logger.debug("rank %d: committed %s (%d files)", self.rank, url, len(entries))
+        logger.debug("%s: committed %s (%d files)", who(self.rank), url, len(entries))
 
     def _delete_unlisted(self, record: dict[str, Any]) -> None:
         keep = {f"{self.prefix}/{rel}" for rel in record["files"]}
@@ -123,3 +125,7 @@ class RemotePromoter(Promoter):
             and record.get("call") == self.call_id
             and not remote_problems(self.fs, self.prefix, record)
         )
+
+    def recorded_result(self) -> Any:
+        record = read_remote_manifest(self.fs, self.prefix)
+        return record.get("result") if record else None

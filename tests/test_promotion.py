@@ -170,13 +170,19 @@ def test_versioned_swaps_a_symlink_and_snapshot_is_stable(tmp_path: Path) -> Non
 
 def test_stale_stages_of_dead_owners_are_swept_live_ones_kept(tmp_path: Path) -> None:
     target = tmp_path / "tok"
-    dead = tmp_path / sibling_name("tok", "stage").replace(f"-{os.getpid()}-", f"-{dead_pid()}-")
-    live = tmp_path / sibling_name("tok", "stage")  # this process: alive
-    lookalike = tmp_path / ".tok.safeio-stage-notours"
-    for d in (dead, live, lookalike):
-        d.mkdir()
-    save(target, {"a": "1"})
-    assert not dead.exists() and live.exists() and lookalike.exists()
+    other = subprocess.Popen([sys.executable, "-c", "import sys; sys.stdin.read()"], stdin=subprocess.PIPE)
+    try:
+        dead = tmp_path / sibling_name("tok", "stage").replace(f"-{os.getpid()}-", f"-{dead_pid()}-")
+        live = tmp_path / sibling_name("tok", "stage").replace(f"-{os.getpid()}-", f"-{other.pid}-")
+        ours = tmp_path / sibling_name("tok", "old")  # left by an earlier save of this very process
+        lookalike = tmp_path / ".tok.safeio-stage-notours"
+        for d in (dead, live, ours, lookalike):
+            d.mkdir()
+        save(target, {"a": "1"})
+        assert not dead.exists() and not ours.exists()
+        assert live.exists() and lookalike.exists()
+    finally:
+        other.communicate(b"")
 
 
 @pytest.mark.parametrize("umask", [0o022, 0o077])

@@ -1,0 +1,301 @@
+"""The writer's watchdog: a phase that lasts too long becomes a WARNING with the writer's stack.
+
+The job this library exists for sat 35 hours in uninterruptible NFS waits with nothing in its logs. A
+thread in the kernel's ``D`` state cannot be interrupted from Python, so the watchdog never tries to
+stop the save; it makes the stall visible: which rank, host and pid, which phase of which path, for how
+long, and where in Python the writer thread is. Warnings repeat while the phase lasts, each time the
+elapsed time has doubled (at most ``MAX_GAP`` apart), so a long stall is neither silent nor a flood.
+
+The watchdog also refreshes the writer's published phase record every few seconds, so that a waiting
+peer's ``PeerTimeout`` can say how long ago the writer process was last heard from: a writer process
+that is alive but stuck keeps being heard; a dead one goes quiet.
+
+One daemon thread per process serves every watched save (starting a thread per save would cost about
+0.25 ms, half of a whole tokenizer save), and a second one sends the heartbeats (see ``_Monitor``). They
+leave after a minute without work and are started again by the next save (also in a forked child,
+which inherits no threads).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import queue
+import sys
+import threading
+import time
+import traceback
+from types import TracebackType
+from typing import Protocol
+
+from safeio._who import who
+
+logger = logging.getLogger("safeio")
+
+DEFAULT_WARN_AFTER = 60.0
+HEARTBEAT_EVERY = 5.0  # a TCPStore set costs well under a millisecond
+MAX_GAP = 600.0
+_STACK_FRAMES = 40
+_IDLE_TICK = 1.0  # while idle the thread wakes this often, so a new save rarely has to wake it
+_IDLE_EXIT = 60.0
+
+
+def resolve_warn_after(warn_after: float | None) -> float:
+    """``warn_after`` if given, else ``SAFEIO_WARN_AFTER``, else 60 s; ``inf`` disables the warnings."""
+    source = "warn_after"
+    if warn_after is None:
+        raw = os.environ.get("SAFEIO_WARN_AFTER", "").strip()
+        if not raw:
+            return DEFAULT_WARN_AFTER
+        source = "SAFEIO_WARN_AFTER"
+        try:
+            warn_after = float(raw)
+        except ValueError:
+            raise ValueError(f"SAFEIO_WARN_AFTER must be a number of seconds, got {raw!r}") from None
+    if math.isnan(warn_after) or warn_after <= 0:
+        raise ValueError(f"{source} must be a positive number of seconds, got {warn_after!r}")
+    return float(warn_after)
+
+
+class PhaseSource(Protocol):
+    """What the watchdog reads (``safeio.channel.Channel`` on the writer)."""
+
+    @property
+    def phase(self) -> str: ...
+    @property
+    def phase_since(self) -> float: ...  # time.time() when the phase began
+    @property
+    def target_url(self) -> str: ...
+    def heartbeat(self, *, wait: bool = True) -> None: ...
+
+
+class Watchdog:
+    """Watches the phases of one save; ``start()`` it on the writer thread, ``stop()`` it after."""
+
+    def __init__(
+        self,
+        source: PhaseSource,
+        warn_after: float,
+        *,
+        rank: int | None = None,
+        heartbeat_every: float | None = None,
+    ) -> None:
+        self.source = source
+        self.warn_after = warn_after
+        self.rank = rank
+        # At least as often as a warning, so that "last heard" stays meaningful with a short warn_after.
+        self.heartbeat_every = (
+            min(HEARTBEAT_EVERY, warn_after) if heartbeat_every is None else heartbeat_every
+        )
+        self.warnings = 0
+        self._writer_ident: int | None = None
+        self._writer_name = ""
+        self._current: tuple[str, float] | None = None
+        self._warned_in_phase = False
+        self._warn_at = math.inf  # wall clock, like the channel's phase_since
+        self._next_beat = math.inf  # monotonic
+        self._stopped = False
+
+    def start(self) -> Watchdog:
+        writer = threading.current_thread()
+        self._writer_ident, self._writer_name = writer.ident, writer.name
+        if math.isfinite(self.heartbeat_every) and self.heartbeat_every > 0:
+            self._next_beat = time.monotonic() + self.heartbeat_every
+        self._observe(self.source.phase, self.source.phase_since, time.time())
+        _monitor.add(self)
+        return self
+
+    def stop(self) -> None:
+        if self._stopped:
+            return
+        self._stopped = True
+        _monitor.remove(self)
+        if self._warned_in_phase and self._current is not None:
+            self._left(self._current[0], time.time() - self._current[1])
+
+    def __enter__(self) -> Watchdog:
+        return self.start()
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.stop()
+
+    def _observe(self, phase: str, since: float, now: float) -> None:
+        if (phase, since) == self._current:
+            return
+        if self._current is not None and self._warned_in_phase:
+            self._left(self._current[0], now - self._current[1])
+        self._current, self._warned_in_phase = (phase, since), False
+        self._warn_at = since + self.warn_after
+
+    def tick(self) -> float:
+        """Warn if due (on the monitor thread); seconds until the next warning is due."""
+        if self._stopped:
+            return math.inf
+        phase, since = self.source.phase, self.source.phase_since
+        now = time.time()
+        self._observe(phase, since, now)
+        if now >= self._warn_at:
+            elapsed = now - since
+            self._warn(phase, elapsed)
+            self._warn_at = since + min(2 * elapsed, elapsed + MAX_GAP)
+        return self._warn_at - time.time()
+
+    def beat_in(self) -> float:
+        """Seconds until the next heartbeat is due."""
+        return math.inf if self._stopped else self._next_beat - time.monotonic()
+
+    def beat(self) -> None:
+        """Refresh the published phase record (on the heartbeat thread)."""
+        if self._stopped:
+            return
+        # Never wait for the channel: the writer thread may be publishing a new phase itself.
+        self.source.heartbeat(wait=False)
+        self._next_beat = time.monotonic() + self.heartbeat_every
+
+    def due(self) -> float:
+        """Seconds until this watch needs the monitor again."""
+        return min(self._warn_at - time.time(), self.beat_in())
+
+    def _stack(self) -> str:
+        frame = sys._current_frames().get(self._writer_ident or -1)
+        if frame is None:
+            return "  (the writer thread has exited)\n"
+        return "".join(traceback.format_stack(frame, limit=_STACK_FRAMES))
+
+    def _warn(self, phase: str, elapsed: float) -> None:
+        self.warnings += 1
+        self._warned_in_phase = True
+        path = self.source.target_url
+        logger.warning(
+            "%s: the writer has been in %s of %s for %.1f s (warn_after %g s); the save goes on, "
+            "this is a warning only. Stack of writer thread %r (most recent call last):\n%s",
+            who(self.rank),
+            phase,
+            path,
+            elapsed,
+            self.warn_after,
+            self._writer_name,
+            self._stack(),
+            extra={"safeio_phase": phase, "safeio_path": path, "safeio_elapsed": elapsed},
+        )
+
+    def _left(self, phase: str, elapsed: float) -> None:
+        # Closes the story a stall warning opened: a reader of the log must not assume it still hangs.
+        path = self.source.target_url
+        logger.warning(
+            "%s: the writer left %s of %s after %.1f s",
+            who(self.rank),
+            phase,
+            path,
+            elapsed,
+            extra={"safeio_phase": phase, "safeio_path": path, "safeio_elapsed": elapsed},
+        )
+
+
+class _Monitor:
+    """The one thread that ticks every started Watchdog of this process, and its heartbeat thread.
+
+    Heartbeats run on a thread of their own: a TCPStore client serialises its requests, so a heartbeat
+    sent while another thread of the process waits on the store (a writer whose body waits for a key,
+    a peer of another save) waits with it, and the warnings must not wait for anything.
+    """
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition(threading.Lock())
+        self._watches: set[Watchdog] = set()
+        self._thread: threading.Thread | None = None
+        self._wake_at = 0.0  # monotonic time the thread will next look at its watches
+        self._added = 0  # counts add() calls, so a watch added during a round is not slept past
+        self._beats: queue.SimpleQueue[Watchdog] = queue.SimpleQueue()
+        self._pending: set[Watchdog] = set()  # queued or in progress on the heartbeat thread
+        self._beater: threading.Thread | None = None
+
+    def add(self, watch: Watchdog) -> None:
+        due = time.monotonic() + watch.due()
+        with self._cond:
+            self._watches.add(watch)
+            self._added += 1
+            if self._thread is None or not self._thread.is_alive():
+                self._thread = threading.Thread(target=self._run, name="safeio-watchdog", daemon=True)
+                self._thread.start()
+            elif due < self._wake_at:
+                self._cond.notify()  # rare: only a warn_after shorter than the idle tick
+
+    def remove(self, watch: Watchdog) -> None:
+        with self._cond:
+            self._watches.discard(watch)  # no wake-up: the thread finds the watch gone on its own
+
+    def _run(self) -> None:
+        idle_since = time.monotonic()
+        while True:
+            with self._cond:
+                watches, seen = list(self._watches), self._added
+            pause = _IDLE_TICK
+            for watch in watches:
+                try:
+                    pause = min(pause, watch.tick(), self._schedule_beat(watch))
+                except Exception:  # the watchdog must outlive any one broken save
+                    logger.exception("%s: the safeio watchdog failed on %s", who(), watch.source.target_url)
+            now = time.monotonic()
+            with self._cond:
+                if self._watches:
+                    idle_since = now
+                elif now - idle_since > _IDLE_EXIT:
+                    self._thread = None
+                    return
+                if self._added != seen:
+                    continue  # a save started during this round: look at it before sleeping
+                self._wake_at = now + max(pause, 0.01)
+                self._cond.wait(max(pause, 0.01))
+
+    def _schedule_beat(self, watch: Watchdog) -> float:
+        """Queue the watch's heartbeat if due; seconds until the monitor must look at it again for that."""
+        with self._cond:
+            if watch in self._pending:
+                return math.inf  # still queued or blocked in the store: do not pile up more
+            due = watch.beat_in()
+            if due > 0:
+                return due
+            self._pending.add(watch)
+            self._beats.put(watch)
+            if self._beater is None or not self._beater.is_alive():
+                self._beater = threading.Thread(target=self._beat_loop, name="safeio-heartbeat", daemon=True)
+                self._beater.start()
+            return math.inf
+
+    def _beat_loop(self) -> None:
+        while True:
+            try:
+                watch = self._beats.get(timeout=_IDLE_EXIT)
+            except queue.Empty:
+                with self._cond:  # beats are queued under this lock: empty now means empty for good
+                    if self._beats.empty():
+                        self._beater = None
+                        return
+                continue
+            try:
+                watch.beat()
+            except Exception:
+                logger.exception("%s: the safeio heartbeat failed on %s", who(), watch.source.target_url)
+            finally:
+                with self._cond:
+                    self._pending.discard(watch)
+                    if time.monotonic() + watch.beat_in() < self._wake_at:
+                        self._cond.notify()  # the monitor sleeps past this watch's next beat
+
+    def reset_after_fork(self) -> None:
+        self._cond = threading.Condition(threading.Lock())
+        self._watches = set()
+        self._thread = None
+        self._added = 0
+        self._beats = queue.SimpleQueue()
+        self._pending = set()
+        self._beater = None
+
+
+_monitor = _Monitor()
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_monitor.reset_after_fork)

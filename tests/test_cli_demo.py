@@ -1,0 +1,139 @@
+"""``safeio demo`` end to end: real gloo ranks, a reader process, the NFS-like mount or a local directory."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from safeio.cli import main
+from safeio.testing import nfslike
+from safeio.testing.pytest_plugin import require_fuse
+
+SMALL = ["--ranks", "2", "--iterations", "2"]
+
+
+def demo(tmpdir: Path, *args: str) -> tuple[int, dict[str, Any], str]:
+    done = subprocess.run(
+        [sys.executable, "-m", "safeio", "demo", *SMALL, "--tmpdir", str(tmpdir), "--json", *args],
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
+    data = json.loads(done.stdout) if done.stdout.strip() else {}
+    return done.returncode, data, done.stderr
+
+
+def nfslike_mounts() -> int:
+    with open("/proc/self/mountinfo", encoding="utf-8") as f:
+        return sum(" fuse.nfslike " in line for line in f)
+
+
+def assert_safeio_clean(pattern: dict[str, Any]) -> None:
+    assert pattern["failed_saves"] == 0 and pattern["saves"] == 4, pattern
+    assert pattern["failed_loads"] == 0 and pattern["rank_loads"] == 4 and pattern["reader_loads"] > 0, (
+        pattern
+    )
+
+
+def test_demo_local(shared_dir: Path) -> None:
+    code, data, err = demo(shared_dir, "--local")
+    assert code == 0, err
+    assert data["backend"] == "local" and data["ranks"] == 2 and data["iterations"] == 2
+    assert_safeio_clean(data["patterns"]["safeio"])
+    unguarded = data["patterns"]["unguarded"]
+    assert unguarded["saves"] == 4 and unguarded["hazards"] is None and unguarded["writes_per_rank"] is None
+    # Progress is shown while it runs, on stderr; stdout holds only the JSON.
+    assert "local temporary directory" in err and "iteration 2/2" in err
+    assert os.listdir(shared_dir) == []  # everything it created is gone
+
+
+def test_demo_on_the_nfslike_mount(shared_dir: Path) -> None:
+    require_fuse()
+    before = nfslike_mounts()
+    code, data, err = demo(shared_dir, "--nfslike")
+    assert code == 0, err
+    assert data["backend"] == "nfslike" and "NFS-like FUSE mount" in err
+    unguarded, guarded = data["patterns"]["unguarded"], data["patterns"]["safeio"]
+    # Unguarded: every rank truncates files the others (and the reader) have open.
+    assert unguarded["hazards"] > 0, unguarded
+    assert unguarded["failed_saves"] + unguarded["failed_loads"] > 0, unguarded
+    assert unguarded["truncations"] > 0
+    assert all(n > 0 for n in unguarded["writes_per_rank"]), unguarded["writes_per_rank"]
+    # safeio: one writer, no truncation in place, no hazard, nothing failed.
+    assert_safeio_clean(guarded)
+    assert guarded["hazards"] == 0 and guarded["truncations"] == 0
+    writes = guarded["writes_per_rank"]
+    assert writes[0] > 0 and writes[1:] == [0], writes
+    assert os.listdir(shared_dir) == [] and nfslike_mounts() == before
+
+
+# Tests run under a shell's background job may inherit SIGINT ignored, and Python keeps it ignored; a
+# user's Ctrl-C never is. Restore it, then exec the command.
+_WITH_SIGINT = "import os, signal, sys; signal.signal(signal.SIGINT, signal.SIG_DFL); os.execv(sys.argv[1], sys.argv[1:])"
+
+
+@pytest.mark.parametrize(
+    ("signum", "when"),
+    [
+        (signal.SIGINT, "unguarded: iteration 2/500"),  # Ctrl-C while ranks are blocked in the filesystem
+        (signal.SIGTERM, "starting 2 rank(s)"),  # kill while the ranks are still starting
+    ],
+)
+def test_demo_cleans_up_when_interrupted(shared_dir: Path, tmp_path: Path, signum: int, when: str) -> None:
+    before = nfslike_mounts()
+    work = shared_dir / "work"
+    work.mkdir()
+    err_path = tmp_path / "stderr.txt"
+    # stderr to a file, not a pipe: the forkserver (torch and transformers loaded) inherits it and
+    # takes seconds to exit after the demo has, which would hold a pipe open.
+    with open(err_path, "w") as err:
+        demo_argv = ["-m", "safeio", "demo", "--ranks", "2", "--iterations", "500", "--tmpdir", str(work)]
+        proc = subprocess.Popen(
+            [sys.executable, "-c", _WITH_SIGINT, sys.executable, *demo_argv],
+            stdout=subprocess.DEVNULL,
+            stderr=err,
+        )
+    try:
+        deadline = time.monotonic() + 120
+        while when not in err_path.read_text():
+            assert proc.poll() is None and time.monotonic() < deadline, err_path.read_text()
+            time.sleep(0.05)  # polling a file with a deadline, not synchronisation
+        assert len(os.listdir(work)) == 1  # its temporary directory (and mount) exist
+        sent = time.monotonic()
+        proc.send_signal(signum)
+        assert proc.wait(60) == 130, err_path.read_text()
+        assert time.monotonic() - sent < 20
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    text = err_path.read_text()
+    assert "interrupted" in text and "Traceback" not in text, text
+    assert os.listdir(work) == [] and nfslike_mounts() == before
+
+
+def test_demo_bad_input(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    for args, message in (
+        (["--ranks", "0"], "must be at least 1"),
+        (["--iterations", "x"], "not a whole number"),
+        (["--local", "--nfslike"], "not allowed with"),
+        (["--tmpdir", str(tmp_path / "missing")], "not a directory"),
+    ):
+        assert main(["demo", *args]) == 2
+        err = capsys.readouterr().err
+        assert message in err and "Traceback" not in err, err
+    # Asking for the NFS-like mount where FUSE cannot mount says why, and creates nothing.
+    monkeypatch.setattr(nfslike, "fuse_unavailable_reason", lambda: "/dev/fuse does not exist")
+    assert main(["demo", "--nfslike", "--tmpdir", str(tmp_path)]) == 2
+    assert "cannot be mounted here: /dev/fuse does not exist" in capsys.readouterr().err
+    assert os.listdir(tmp_path) == []

@@ -59,7 +59,7 @@ case "$cmd" in
     exec "$VENV/bin/python" -m pytest "$@" ;;
   lint)
     ensure_venv
-    paths=$(ls -d safeio tests examples benchmarks scripts 2>/dev/null)
+    paths=$(ls -d safeio tests examples benchmarks scripts 2>/dev/null || true)
     # shellcheck disable=SC2086 # one word per directory
     "$VENV/bin/ruff" check $paths
     # shellcheck disable=SC2086

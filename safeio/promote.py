@@ -23,6 +23,7 @@ import errno
 import json
 import logging
 import os
+import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from typing import Any, Literal
@@ -73,7 +74,18 @@ class Promoter(ABC):
         self.rank = rank
         self.call_id = call_id
         self._on_phase = on_phase
+        self._started = time.monotonic()  # peers' waits began about now (see lock_timeout)
         self.result: Any = None  # the body's result (JSON form), recorded in the manifest
+
+    def lock_timeout(self) -> float:
+        """What is left of ``timeout`` for the lock, minus a margin to publish the outcome.
+
+        Peers wait ``timeout`` from about when this save began; a writer that waited the full
+        ``timeout`` for a rival's lock after its body would report LockTimeout after every peer had
+        given up with a PeerTimeout that hides why (seen with 8 ranks and a rival holding the lock).
+        """
+        margin = min(1.0, 0.05 * self.timeout)
+        return max(0.01, self.timeout - (time.monotonic() - self._started) - margin)
 
     def phase(self, name: str) -> None:
         if self._on_phase is not None:
@@ -182,7 +194,7 @@ class LocalPromoter(Promoter):
             if self.durable:
                 fsync_tree(stage)
             self.phase("lock")
-            lock = make_lock(lock_path_for(self.parent, self.location.name), self.lock, self.timeout)
+            lock = make_lock(lock_path_for(self.parent, self.location.name), self.lock, self.lock_timeout())
             with held(lock, self.target, self.rank):
                 self.phase("promote")
                 self._check_target()

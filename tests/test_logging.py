@@ -58,7 +58,8 @@ def test_refused_rename_exchange_is_a_warning(
     _save(target, "v2")
     [warning] = _messages(caplog, logging.WARNING)
     assert re.match(
-        rf"rank 0 \(\S+ pid \d+\): the filesystem of {re.escape(str(target))} refuses RENAME_EXCHANGE", warning
+        rf"rank 0 \(\S+ pid \d+\): the filesystem of {re.escape(str(target))} refuses RENAME_EXCHANGE",
+        warning,
     )
     assert (target / "tokenizer_config.json").read_text() == "v2"  # the fallback still replaced it
 
@@ -80,6 +81,9 @@ def test_a_leftover_kept_alive_by_open_files_is_a_warning(
     caplog.set_level(logging.DEBUG, logger="safeio")
     _save(target, "v2")
     [warning] = _messages(caplog, logging.WARNING)
-    assert re.match(rf"rank \S+ \(\S+ pid \d+\): could not remove replaced version {shared_dir}/\.tok\.safeio-old-\S+ yet", warning)
+    assert re.match(
+        rf"rank \S+ \(\S+ pid \d+\): could not remove replaced version {shared_dir}/\.tok\.safeio-old-\S+ yet",
+        warning,
+    )
     assert "silly-renamed" in warning and "safeio gc" in warning
     assert (target / "tokenizer_config.json").read_text() == "v2"

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 import sys
-import threading
 import time
 from pathlib import Path
 
@@ -120,13 +119,20 @@ def test_writer_failure_reaches_every_rank_and_target_is_untouched(shared_dir: P
 
 
 def _writer_hangs(rank: int, world: int, target: str, timeout: float) -> dict[str, object]:
+    from datetime import timedelta
+
+    from torch.distributed import distributed_c10d as c10d
+
+    store = c10d._get_default_store()
     start = time.monotonic()
     try:
         with safeio.replicated(target, timeout=timeout) as stage:
             if stage.is_writer:
-                # Stands for a writer stuck in the kernel; released by the test's own bound.
-                threading.Event().wait(timeout + 20)
+                # Stands for a writer stuck in the kernel; released once every peer has timed out.
+                store.wait(["all-timed-out"], timedelta(seconds=timeout + 30))
     except safeio.PeerTimeout as exc:
+        if store.add("timed-out", 1) == world - 1:
+            store.set("all-timed-out", "1")
         return {
             "error": str(exc),
             "phase": exc.phase,

@@ -1,0 +1,263 @@
+"""Figure 1 — wrapper overhead: ``safeio.save_pretrained(tok, d)`` vs ``tok.save_pretrained(d)``.
+
+The scenario is the Trainer's: each checkpoint is a fresh ``checkpoint-N/`` that already holds the
+model's ``config.json`` when the tokenizer is saved into it (so safeio takes its default ``merge``
+path). Single process, no process group. Methods per repetition, interleaved:
+plain save; plain save + fsync of every file and the directory (what a user adds for durability);
+safeio with ``durable=False``; safeio with ``durable=True`` (its fsyncs timed separately).
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import shutil
+import time
+from typing import Any
+
+from benchmarks._core import (
+    FsyncClock,
+    Result,
+    Row,
+    Spread,
+    fs_type,
+    fsync_dir_files,
+    interleave,
+    ratio_row,
+    ratios,
+    scratch,
+)
+
+NAME = "wrapper"
+NON_DURABLE_LIMIT = 1.15
+WARMUP = 3  # first saves import lazily and warm caches
+
+
+class _Save:
+    """One method: a fresh checkpoint directory per call (setup and cleanup are not timed)."""
+
+    def __init__(self, root: str, label: str, save: Any, clock: FsyncClock) -> None:
+        self.root, self.label, self.save, self.clock = root, label, save, clock
+        self.count = 0
+        self.previous: str | None = None
+        self.fsync: list[tuple[float, int]] = []
+
+    def __call__(self) -> float:
+        if self.previous is not None:
+            shutil.rmtree(self.previous, ignore_errors=True)
+        self.count += 1
+        target = os.path.join(self.root, f"{self.label}-checkpoint-{self.count}")
+        os.mkdir(target)
+        with open(os.path.join(target, "config.json"), "w") as f:
+            f.write('{"model_type": "llama"}\n')  # the model's file, saved before the tokenizer
+        self.previous = target
+        self.clock.take()
+        start = time.perf_counter()
+        self.save(target)
+        elapsed = time.perf_counter() - start
+        self.fsync.append(self.clock.take())
+        return elapsed
+
+
+def _compare(tok: Any, base: str, reps: int, clock: FsyncClock) -> dict[str, Any]:
+    import safeio
+
+    def plain(d: str) -> None:
+        tok.save_pretrained(d)
+
+    def plain_fsync(d: str) -> None:
+        tok.save_pretrained(d)
+        fsync_dir_files(d)
+
+    with scratch(base) as root:
+        methods = {
+            "plain": _Save(root, "plain", plain, clock),
+            "plain+fsync": _Save(root, "plainfsync", plain_fsync, clock),
+            "safeio": _Save(root, "safeio", lambda d: safeio.save_pretrained(tok, d, durable=False), clock),
+            "safeio durable": _Save(
+                root, "durable", lambda d: safeio.save_pretrained(tok, d, durable=True), clock
+            ),
+        }
+        samples = interleave(methods, reps, warmup=WARMUP)
+        fsync = {k: m.fsync[WARMUP:] for k, m in methods.items()}
+    return {"times": samples, "fsync": fsync}
+
+
+class _PhaseClock:
+    """Records when the writer enters each of safeio's phases (``Channel.enter_phase``: stage, body,
+    manifest, fsync, lock, promote, cleanup, done), to show where a save's time goes."""
+
+    def __init__(self) -> None:
+        self.marks: list[tuple[str, float]] = []
+
+    def __enter__(self) -> _PhaseClock:
+        from safeio.channel import Channel
+
+        self._original = Channel.enter_phase
+        original, marks = self._original, self.marks
+
+        def enter_phase(channel: Any, phase: str) -> None:
+            marks.append((phase, time.perf_counter()))
+            original(channel, phase)
+
+        Channel.enter_phase = enter_phase  # type: ignore[method-assign,assignment]
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        from safeio.channel import Channel
+
+        Channel.enter_phase = self._original  # type: ignore[method-assign]
+
+
+def _phases(tok: Any, base: str, durable: bool, reps: int) -> dict[str, float]:
+    """Median milliseconds per phase of ``safeio.save_pretrained`` (separate, untimed-by-ratio runs)."""
+    import safeio
+
+    per_phase: dict[str, list[float]] = {}
+    with scratch(base) as root, _PhaseClock() as clock:
+        for i in range(reps + WARMUP):
+            target = os.path.join(root, f"checkpoint-{i}")
+            os.mkdir(target)
+            with open(os.path.join(target, "config.json"), "w") as f:
+                f.write("{}\n")
+            clock.marks.clear()
+            start = time.perf_counter()
+            safeio.save_pretrained(tok, target, durable=durable)
+            end = time.perf_counter()
+            if i < WARMUP:
+                continue
+            marks = [("enter", start), *clock.marks, ("return", end)]
+            for (phase, t0), (_, t1) in itertools.pairwise(marks):
+                per_phase.setdefault(phase, []).append(t1 - t0)
+    return {phase: Spread.of(v).median * 1e3 for phase, v in per_phase.items()}
+
+
+def run(quick: bool = False, disk: str = "/tmp", tmpfs: str = "/dev/shm") -> Result:
+    from safeio.testing import hf_objects
+
+    reps = 8 if quick else 150
+    result = Result(
+        NAME,
+        "1. Wrapper overhead: safeio.save_pretrained vs tokenizer.save_pretrained",
+        "Single process, one tokenizer saved into a fresh checkpoint directory that already holds the "
+        "model's config.json (the Trainer's order), so safeio merges. Ratios are per repetition, "
+        "methods interleaved; median [min-max].",
+        params={
+            "reps": reps,
+            "disk": disk,
+            "disk_fs": fs_type(disk),
+            "tmpfs": tmpfs,
+            "tmpfs_fs": fs_type(tmpfs),
+        },
+    )
+    kinds: dict[str, Any] = {"fast": hf_objects.fast_tokenizer}
+    spm_dir: str | None = None
+    if not quick:
+        import tempfile
+
+        spm_dir = tempfile.mkdtemp(prefix="safeio-bench-spm-")
+        kinds["slow"] = lambda: hf_objects.slow_tokenizer(spm_dir)
+    filesystems = {"disk": disk} if quick else {"disk": disk, "tmpfs": tmpfs}
+    plot: dict[str, Any] = {
+        "title": "1. safeio.save_pretrained / plain save",
+        "kind": "bars",
+        "ylabel": "time ratio (median, min-max)",
+        "hline": NON_DURABLE_LIMIT,
+        "series": {
+            "durable=False": {"x": [], "y": [], "lo": [], "hi": []},
+            "durable=True - fsync": {"x": [], "y": [], "lo": [], "hi": []},
+        },
+    }
+    try:
+        with FsyncClock() as clock:
+            for kind, make in kinds.items():
+                tok = make()
+                for fs_name, base in filesystems.items():
+                    data = _compare(tok, base, reps, clock)
+                    result.samples[f"{kind}/{fs_name}"] = data
+                    _rows(result, plot, f"{kind} tokenizer, {fs_name} ({fs_type(base)})", data)
+    finally:
+        if spm_dir is not None:
+            shutil.rmtree(spm_dir, ignore_errors=True)
+    result.plots.append(plot)
+    tok = hf_objects.fast_tokenizer()
+    breakdown = {
+        f"{fs_name}, durable={durable}": _phases(tok, base, durable, 10 if quick else 60)
+        for fs_name, base in filesystems.items()
+        for durable in (False, True)
+    }
+    result.samples["phases_ms"] = breakdown
+    phases = list(dict.fromkeys(p for b in breakdown.values() for p in b))
+    result.tables.append(
+        {
+            "title": "Where a safeio.save_pretrained of the fast tokenizer spends its time (median ms per phase; "
+            "'enter' = group, channel and promoter setup, 'body' = the tokenizer's own save, 'manifest' = "
+            "permissions + file list (+ sha256 if durable), 'promote' = stale-stage scan, renames, lock release)",
+            "header": ["phase", *breakdown],
+            "rows": [[p, *(f"{b.get(p, 0.0):.2f}" for b in breakdown.values())] for p in phases]
+            + [["total", *(f"{sum(b.values()):.2f}" for b in breakdown.values())]],
+        }
+    )
+    result.notes.append(
+        "safeio's non-durable overhead is a fixed cost per save (stage mkdir, permission walk, manifest, "
+        "lock, stale-stage scan, merge renames), so its ratio is large for a sub-millisecond tokenizer "
+        "save and shrinks as the save itself grows."
+    )
+    return result
+
+
+def _rows(result: Result, plot: dict[str, Any], label: str, data: dict[str, Any]) -> None:
+    t = data["times"]
+    plain, plain_fsync, fast, durable = t["plain"], t["plain+fsync"], t["safeio"], t["safeio durable"]
+    fsync_s = [s for s, _ in data["fsync"]["safeio durable"]]
+    fsync_n = [n for _, n in data["fsync"]["safeio durable"]]
+    user_n = [n for _, n in data["fsync"]["plain+fsync"]]
+    non_durable = ratios(fast, plain)
+    without_fsync = ratios([d - f for d, f in zip(durable, fsync_s, strict=True)], plain)
+    share = [100 * f / d for d, f in zip(durable, fsync_s, strict=True) if d > 0]
+    vs_user = ratios(durable, plain_fsync)
+    result.rows += [
+        Row(
+            f"{label}: plain save",
+            "absolute time of tokenizer.save_pretrained (reference)",
+            "-",
+            Spread.of(plain).scaled(1e3),
+            "ms",
+        ),
+        ratio_row(
+            f"{label}: safeio durable=False / plain",
+            "what wrapping costs when nothing is fsynced",
+            f"≤ {NON_DURABLE_LIMIT}",
+            non_durable,
+            NON_DURABLE_LIMIT,
+        ),
+        ratio_row(
+            f"{label}: (safeio durable=True - its fsync time) / plain",
+            "durable save = plain save + fsyncs and nothing else",
+            f"≤ {NON_DURABLE_LIMIT}",
+            without_fsync,
+            NON_DURABLE_LIMIT,
+        ),
+        Row(
+            f"{label}: fsync share of safeio durable=True",
+            f"time in os.fsync ({Spread.of(fsync_n).median:.0f} calls; the user's own durable save makes "
+            f"{Spread.of(user_n).median:.0f})",
+            "-",
+            Spread.of(share),
+            "%",
+        ),
+        ratio_row(
+            f"{label}: safeio durable=True / (plain + user's fsyncs)",
+            "cost against a plain save made durable by hand",
+            "-",
+            vs_user,
+            None,
+        ),
+    ]
+    for name, values in (("durable=False", non_durable), ("durable=True - fsync", without_fsync)):
+        s = Spread.of(values)
+        series = plot["series"][name]
+        series["x"].append(label.split(" (", maxsplit=1)[0].replace(" tokenizer", ""))
+        series["y"].append(s.median)
+        series["lo"].append(s.lo)
+        series["hi"].append(s.hi)

@@ -1,0 +1,37 @@
+"""The benchmark suite runs and writes its three outputs (no speed is asserted: timings are noise)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.mark.timeout(60)
+def test_quick_promotion_benchmark_writes_results(tmp_path: Path) -> None:
+    out = tmp_path / "results"
+    subprocess.run(
+        [sys.executable, "-m", "benchmarks", "--quick", "--only", "promotion", "--out", str(out)],
+        cwd=ROOT,
+        check=True,
+        capture_output=True,
+        timeout=60,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )
+    doc = json.loads((out / "results.json").read_text())
+    assert set(doc) == {"meta", "benchmarks"}
+    assert {"command", "date", "machine", "seconds", "ran"} <= set(doc["meta"])
+    result = doc["benchmarks"]["promotion"]
+    assert {"title", "about", "rows", "tables", "plots", "samples", "params", "quick"} <= set(result)
+    assert result["quick"] is True
+    row = result["rows"][0]
+    assert {"figure", "meaning", "target", "value", "unit", "met"} <= set(row)
+    assert {"median", "lo", "hi", "n"} <= set(row["value"])
+    assert "## 4. Promotion cost vs size" in (out / "results.md").read_text()
+    assert (out / "results.png").stat().st_size > 0

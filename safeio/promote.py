@@ -354,13 +354,28 @@ class LocalPromoter(Promoter):
         record = manifest.read(directory)
         return (
             record is not None
-            and record.get("call") == self.call_id
+            and call_covers(record.get("call"), self.call_id)
             and not manifest.problems(directory, record, check_hashes=False)
         )
 
     def recorded_result(self) -> Any:
         record = manifest.read(self.target)
         return record.get("result") if record else None
+
+
+def call_covers(recorded: object, awaited: str) -> bool:
+    """Whether a manifest written by save ``recorded`` shows that save ``awaited`` has happened.
+
+    Call ids are ``job/target-digest/sequence``. A later save of the same target in the same job also
+    counts: the writer may have saved twice and exited before a slow peer looked (its store gone).
+    """
+    if not isinstance(recorded, str):
+        return False
+    if recorded == awaited:
+        return True
+    job, _, seq = recorded.rpartition("/")
+    awaited_job, _, awaited_seq = awaited.rpartition("/")
+    return job == awaited_job and seq.isdigit() and awaited_seq.isdigit() and int(seq) >= int(awaited_seq)
 
 
 def promoter_for(location: Location, **options: Any) -> Promoter:

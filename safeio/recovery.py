@@ -123,7 +123,8 @@ def recover_directory(
         return []
     now = time.time()
     actions: list[Action] = []
-    siblings = [(s, os.path.join(parent, s.name)) for s in map(parse, names) if s is not None]
+    candidates = (parse(name) for name in names if ".safeio-" in name)
+    siblings = [(s, os.path.join(parent, s.name)) for s in candidates if s is not None]
     if target_name is not None:
         siblings = [(s, p) for s, p in siblings if s.belongs_to(target_name)]
     # Merges first (they complete targets), then asides (they restore missing ones), then the rest.

@@ -20,7 +20,7 @@ from typing import Any
 from safeio import manifest
 from safeio._who import who
 from safeio.errors import InvalidTargetError, PromotionError, SafeIOError, TargetExistsError
-from safeio.promote import Promoter
+from safeio.promote import Promoter, call_covers
 
 logger = logging.getLogger("safeio")
 
@@ -122,7 +122,7 @@ class RemotePromoter(Promoter):
         record = read_remote_manifest(self.fs, self.prefix)
         return (
             record is not None
-            and record.get("call") == self.call_id
+            and call_covers(record.get("call"), self.call_id)
             and not remote_problems(self.fs, self.prefix, record)
         )
 

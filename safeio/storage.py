@@ -7,6 +7,7 @@ through fsspec, where a PUT replaces an object whole and a commit marker makes a
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import ctypes.util
 import errno
@@ -164,9 +165,32 @@ def mount_of(path: str) -> MountInfo | None:
     return best
 
 
+_network_by_device: dict[int, tuple[str, bool]] = {}
+
+
 def is_network_path(path: str) -> bool:
+    """Whether ``path`` is on a network (or FUSE) filesystem; cached per device, as every save asks.
+
+    A cached answer is trusted only while its mount point still carries the same device number, so a
+    device number reused by a later mount elsewhere is looked up again.
+    """
+    probe = path
+    while not os.path.exists(probe) and probe != os.path.dirname(probe):
+        probe = os.path.dirname(probe)
+    try:
+        device = os.stat(probe).st_dev
+    except OSError:
+        device = -1
+    cached = _network_by_device.get(device)
+    if cached is not None:
+        with contextlib.suppress(OSError):
+            if os.stat(cached[0]).st_dev == device:
+                return cached[1]
     mount = mount_of(path)
-    return mount is not None and mount.is_network
+    answer = mount is not None and mount.is_network
+    if mount is not None and device != -1:
+        _network_by_device[device] = (mount.mount_point, answer)
+    return answer
 
 
 # ---------------------------------------------------------------------------------------------------

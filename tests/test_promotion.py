@@ -267,3 +267,13 @@ def test_verify_finds_damage(tmp_path: Path) -> None:
     (target / "b").unlink()
     assert safeio.verify(target) == ["sha256 mismatch: a", "missing: b"]
     assert not safeio.is_complete(target)
+
+
+def test_a_later_save_of_the_same_job_covers_an_earlier_one() -> None:
+    from safeio.promote import call_covers
+
+    assert call_covers("job/abc/3", "job/abc/3")
+    assert call_covers("job/abc/4", "job/abc/3")  # the writer saved again before this peer looked
+    assert not call_covers("job/abc/2", "job/abc/3")  # an older save does not
+    assert not call_covers("other/abc/9", "job/abc/3")  # nor one from another job
+    assert not call_covers(None, "job/abc/1")

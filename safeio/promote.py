@@ -76,6 +76,9 @@ class Promoter(ABC):
         self._on_phase = on_phase
         self._started = time.monotonic()  # peers' waits began about now (see lock_timeout)
         self.result: Any = None  # the body's result (JSON form), recorded in the manifest
+        # The manifest's call id when a peer entered the save: any other complete version seen later
+        # was promoted since, by our writer or a newer save (a rival job's), and ends the wait.
+        self.seen_at_start: object = None
 
     def lock_timeout(self) -> float:
         """What is left of ``timeout`` for the lock, minus a margin to publish the outcome.
@@ -106,6 +109,16 @@ class Promoter(ABC):
     @abstractmethod
     def landed(self) -> bool:
         """Whether this save's result is visible and complete at the target (for store-less peers)."""
+
+    @abstractmethod
+    def current_call(self) -> object:
+        """The call id in the target's manifest now (None if there is none)."""
+
+    def is_newer(self, recorded: object) -> bool:
+        """Whether a complete version with call id ``recorded`` shows this save has happened."""
+        if call_covers(recorded, self.call_id):
+            return True
+        return recorded is not None and recorded != self.seen_at_start
 
     @abstractmethod
     def recorded_result(self) -> Any:
@@ -354,9 +367,13 @@ class LocalPromoter(Promoter):
         record = manifest.read(directory)
         return (
             record is not None
-            and call_covers(record.get("call"), self.call_id)
+            and self.is_newer(record.get("call"))
             and not manifest.problems(directory, record, check_hashes=False)
         )
+
+    def current_call(self) -> object:
+        record = manifest.read(self.target)
+        return record.get("call") if record else None
 
     def recorded_result(self) -> Any:
         record = manifest.read(self.target)

@@ -20,7 +20,7 @@ from typing import Any
 from safeio import manifest
 from safeio._who import who
 from safeio.errors import InvalidTargetError, PromotionError, SafeIOError, TargetExistsError
-from safeio.promote import Promoter, call_covers
+from safeio.promote import Promoter
 
 logger = logging.getLogger("safeio")
 
@@ -122,10 +122,14 @@ class RemotePromoter(Promoter):
         record = read_remote_manifest(self.fs, self.prefix)
         return (
             record is not None
-            and call_covers(record.get("call"), self.call_id)
+            and self.is_newer(record.get("call"))
             and not remote_problems(self.fs, self.prefix, record)
         )
 
     def recorded_result(self) -> Any:
         record = read_remote_manifest(self.fs, self.prefix)
         return record.get("result") if record else None
+
+    def current_call(self) -> object:
+        record = read_remote_manifest(self.fs, self.prefix)
+        return record.get("call") if record else None

@@ -130,6 +130,8 @@ class ReplicatedSave:
         else:
             # Bodies run on every rank (SPMD); a non-writer's output goes to node-local scratch.
             path = tempfile.mkdtemp(prefix="safeio-peer-")
+            if self._manifest:
+                self._promoter.seen_at_start = self._promoter.current_call()
         self._entry = active.ActiveStage(self.location.path if self.location.is_local else target_key, path)
         active.push(self._entry)
         self._stage = Stage(path, target_key, group.is_writer, group)

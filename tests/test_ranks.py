@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -281,3 +282,38 @@ def _subgroup_save(rank: int, world: int, root: str) -> str:
 def test_process_subgroups_each_have_their_own_writer(shared_dir: Path) -> None:
     results = run_ranks(_subgroup_save, 4, str(shared_dir))
     assert [r.value for r in results] == ["0", "0", "2", "2"]
+
+
+def _superseded(rank: int, world: int, target: str) -> str:
+    """The peer is slow: by the time it looks, a rival job has replaced the target again."""
+    from datetime import timedelta
+
+    from torch.distributed import distributed_c10d as c10d
+
+    store = c10d._get_default_store()
+    with safeio.replicated(target, timeout=20) as stage:
+        Path(stage.path, "f").write_text(f"ours {rank}")
+        if not stage.is_writer:
+            store.wait(["rival-done"], timedelta(seconds=30))  # hold the peer back until the rival saved
+    if rank == 0:
+        # Another job (its own process, no launcher variables) replaces the target meanwhile.
+        env = {
+            k: v
+            for k, v in os.environ.items()
+            if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+        }
+        code = (
+            "import pathlib, sys, safeio\n"
+            "with safeio.replicated(sys.argv[1], timeout=20) as stage:\n"
+            "    pathlib.Path(stage.path, 'f').write_text('rival')\n"
+        )
+        subprocess.run([sys.executable, "-c", code, target], env=env, check=True, timeout=60)
+        store.set("rival-done", "1")
+    return Path(target, "f").read_text()
+
+
+def test_a_peer_whose_save_was_superseded_returns(shared_dir: Path) -> None:
+    """The store may be gone and the manifest may show a newer save: the peer must not time out."""
+    target = str(shared_dir / "busy")
+    results = run_ranks(_superseded, 2, target, timeout=90)
+    assert [r.value for r in results] == ["rival", "rival"]

@@ -122,7 +122,7 @@ def _hold_lock(path: str, ready: str) -> None:
 
     with filelock.FileLock(path):
         Path(ready).write_text("held")
-        time.sleep(30)
+        time.sleep(30)  # hold the lock for the test's lifetime; the test kills this process
 
 
 def test_lock_timeout_names_the_lock(tmp_path: Path) -> None:

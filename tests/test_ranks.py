@@ -171,7 +171,7 @@ def _rank0_exits_first(rank: int, world: int, target: str) -> bool:
     pid = int(store.get("rank0-pid"))
     deadline = time.monotonic() + 30
     while os.path.exists(f"/proc/{pid}") and time.monotonic() < deadline:
-        time.sleep(0.05)
+        time.sleep(0.05)  # bounded poll: rank 0 is not our child, so there is no wait() to block on
     with safeio.replicated(target, timeout=30) as stage:
         Path(stage.path, "f").write_text("ignored")
     return safeio.is_complete(target)

@@ -124,7 +124,7 @@ def scratch(base: str, prefix: str = "safeio-bench-") -> Iterator[str]:
 
 
 def fs_type(path: str) -> str:
-    from safeio.storage import mount_of
+    from safeio._storage.mounts import mount_of
 
     info = mount_of(os.path.realpath(path))
     return info.fs_type if info is not None else "unknown"

@@ -91,7 +91,7 @@ class _PhaseClock:
         self.marks: list[tuple[str, float]] = []
 
     def __enter__(self) -> _PhaseClock:
-        from safeio.channel import Channel
+        from safeio._coordination.channel import Channel
 
         self._original = Channel.enter_phase
         original, marks = self._original, self.marks
@@ -104,7 +104,7 @@ class _PhaseClock:
         return self
 
     def __exit__(self, *exc: object) -> None:
-        from safeio.channel import Channel
+        from safeio._coordination.channel import Channel
 
         Channel.enter_phase = self._original  # type: ignore[method-assign]
 

@@ -1,17 +1,29 @@
 """safeio: replicated checkpoint files written safely to shared filesystems.
 
 One writer, a private stage, one atomic promotion, every rank told the outcome, and never a wait
-without a timeout. See README.md for the why and DESIGN.md for the how.
+without a timeout. See README.md for the why and the layout.
+
+Only this module and the public subpackages ``safeio.testing`` and ``safeio.cli`` are API; everything
+else is private and layered, each layer importing only the ones before it:
+
+    _errors, _who, _options, _boundary   the error tree, process names, options, the error mapping
+    _storage/        where a target lives; names, manifests, locks, POSIX primitives; the reading side
+    _promotion/      one class per storage behaviour (exchange, aside, merge, versioned, commit marker)
+    _coordination/   the group and the channel that publishes a writer's phases and outcome
+    _diagnostics/    the watchdog, writer-only sections, the audit sanitizer
+    _saves/          the entry points: the replicated flow, save_pretrained and its patch, torch_save,
+                     atomic_open
 """
 
 from __future__ import annotations
 
-from safeio.atomic import atomic_open
-from safeio.audit import audit
-from safeio.audit import install_from_environment as _install_audit_from_environment
-from safeio.collectives import writer_only_section
-from safeio.errors import (
+from safeio._coordination.group import Group, current_group
+from safeio._diagnostics.audit import audit
+from safeio._diagnostics.audit import install_at_import as _install_audit_from_environment
+from safeio._diagnostics.collectives import writer_only_section
+from safeio._errors import (
     CollectiveInWriterSection,
+    InvalidOptionError,
     InvalidTargetError,
     LockTimeout,
     PeerTimeout,
@@ -22,11 +34,12 @@ from safeio.errors import (
     UnsafeWriteError,
     UnsupportedSaveError,
 )
-from safeio.group import Group, current_group
-from safeio.hf import patch_save_pretrained, save_pretrained
-from safeio.readers import is_complete, snapshot, verify
-from safeio.replicated import Stage, replicated
-from safeio.torch import torch_save
+from safeio._saves.atomic import atomic_open
+from safeio._saves.hf import save_pretrained
+from safeio._saves.hf_patch import patch_save_pretrained
+from safeio._saves.replicated import Stage, replicated
+from safeio._saves.torch import torch_save
+from safeio._storage.readers import is_complete, snapshot, verify
 
 __version__ = "0.1.0"
 
@@ -36,6 +49,7 @@ _install_audit_from_environment()
 __all__ = [
     "CollectiveInWriterSection",
     "Group",
+    "InvalidOptionError",
     "InvalidTargetError",
     "LockTimeout",
     "PeerTimeout",

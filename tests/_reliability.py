@@ -16,7 +16,7 @@ import tempfile
 from functools import cache
 from typing import Any
 
-from safeio import manifest
+from safeio._storage import manifest
 
 SCALE = float(os.environ.get("SAFEIO_RELIABILITY_SCALE", "1"))
 SEED = int(os.environ.get("SAFEIO_RELIABILITY_SEED", "20261202"))

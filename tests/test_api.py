@@ -15,9 +15,9 @@ import pytest
 from fsspec.implementations.memory import MemoryFileSystem
 
 import safeio
-from safeio import errors
-from safeio.group import from_environment
-from safeio.storage import MountInfo, read_mounts
+from safeio import _errors as errors
+from safeio._coordination.group import from_environment
+from safeio._storage.mounts import MountInfo, read_mounts
 
 
 def test_exports_exactly_all() -> None:
@@ -93,7 +93,7 @@ def test_current_group_single_process(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def test_timeout_from_environment(monkeypatch: pytest.MonkeyPatch) -> None:
-    from safeio._settings import resolve_timeout
+    from safeio._options import timeout_or_default as resolve_timeout
 
     assert resolve_timeout(None) == 1800
     monkeypatch.setenv("SAFEIO_TIMEOUT", "12.5")

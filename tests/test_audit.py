@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 import safeio
-from safeio.audit import (
+from safeio._diagnostics.audit import (
     LIMIT_NOTE,
     Auditor,
     AuditRecord,
@@ -212,7 +212,7 @@ WORLD = 3
 def _unguarded_then_patched(rank: int, world: int, shared: str) -> int:
     import torch.distributed as dist
 
-    import safeio.hf
+    import safeio._saves.hf_patch
     from safeio.testing.hf_objects import config
 
     # What `import safeio` does when SAFEIO_AUDIT is set (run_ranks put it in this rank's environment).
@@ -230,7 +230,10 @@ def _unguarded_then_patched(rank: int, world: int, shared: str) -> int:
         reader.read()
     # The same save of the config under the patch.
     guarded = os.path.join(shared, "guarded")
-    with audit(guarded, "record", guarded + "-records"), safeio.hf.patch_save_pretrained(timeout=60):
+    with (
+        audit(guarded, "record", guarded + "-records"),
+        safeio._saves.hf_patch.patch_save_pretrained(timeout=60),
+    ):
         cfg.save_pretrained(os.path.join(guarded, "ckpt"))
     return len(os.listdir(os.path.join(shared, "guarded", "ckpt")))
 

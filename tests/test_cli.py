@@ -17,9 +17,9 @@ from typing import Any
 import pytest
 
 import safeio
+from safeio._storage.mounts import mount_of
+from safeio._storage.names import host_tag
 from safeio.cli import main
-from safeio.names import host_tag
-from safeio.storage import mount_of
 
 NOBODY = 65534
 
@@ -182,8 +182,8 @@ def test_doctor_observes_cache_timeouts_through_a_peer_mount(
 
 
 def classify(fs_type: str, options: str, source: str = "server:/export") -> Any:
+    from safeio._storage.mounts import MountInfo
     from safeio.cli._fsinfo import classify as classify_mount
-    from safeio.storage import MountInfo
 
     return classify_mount("/ckpt", MountInfo("/ckpt", fs_type, source, tuple(options.split(","))))
 
@@ -301,7 +301,7 @@ with safeio.replicated(sys.argv[1]) as stage:
 
 _LEASE_HOLDER = """
 import sys
-from safeio.locking import make_lock
+from safeio._storage.locking import make_lock
 lock = make_lock(sys.argv[1], "lease", 5)
 lock.acquire()
 print(lock.lock_file, flush=True)
@@ -504,7 +504,7 @@ def test_verify_bad_input(capsys: pytest.CaptureFixture[str]) -> None:
 
 _AUDITED_WRITER = """
 import sys
-from safeio.audit import audit
+from safeio._diagnostics.audit import audit
 with audit(sys.argv[1], "record", sys.argv[2]):
     with open(sys.argv[1] + "/tokenizer_config.json", "w") as f:  # every rank truncates the same file
         f.write("{}")
@@ -518,7 +518,7 @@ def test_audit_report(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> Non
     records.mkdir()
     code = main(["audit", "report", str(records), "--json"])
     captured = capsys.readouterr()
-    if importlib.util.find_spec("safeio.audit") is None:
+    if importlib.util.find_spec("safeio._diagnostics.audit") is None:
         assert code == 2 and "audit sanitizer is not available" in captured.err
         return
     assert code == 0, captured  # no records, no conflicts

@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 
 import safeio
-from safeio.collectives import COLLECTIVES, writer_only_section
+from safeio._diagnostics.collectives import COLLECTIVES, writer_only_section
 from safeio.testing.ranks import run_ranks
 
 # -- in one process: what is patched, when, and for which thread ----------------------------------

@@ -13,8 +13,9 @@ from typing import Any
 import pytest
 
 import safeio
-import safeio.fsops
-import safeio.promote
+import safeio._promotion.capabilities
+import safeio._promotion.exchange
+import safeio._storage.fsops
 
 
 def _save(target: Path, content: str) -> None:
@@ -49,8 +50,8 @@ def test_refused_rename_exchange_is_a_warning(
     def refuse(*args: Any) -> None:
         raise OSError(errno.EINVAL, "Invalid argument")  # as NFS and FUSE answer RENAME_EXCHANGE
 
-    monkeypatch.setattr(safeio.promote, "renameat2", refuse)
-    monkeypatch.setattr(safeio.promote, "_no_exchange", set())
+    monkeypatch.setattr(safeio._promotion.exchange, "renameat2", refuse)
+    monkeypatch.setattr(safeio._promotion.capabilities, "_no_exchange", set())
     monkeypatch.delenv("SAFEIO_NO_EXCHANGE", raising=False)
     target = shared_dir / "tok"
     _save(target, "v1")
@@ -75,7 +76,7 @@ def test_a_leftover_kept_alive_by_open_files_is_a_warning(
         real_rmtree(path, *args, **kwargs)
 
     monkeypatch.setenv("SAFEIO_NO_EXCHANGE", "1")
-    monkeypatch.setattr(safeio.fsops.shutil, "rmtree", silly_renamed)
+    monkeypatch.setattr(safeio._storage.fsops.shutil, "rmtree", silly_renamed)
     target = shared_dir / "tok"
     _save(target, "v1")
     caplog.set_level(logging.DEBUG, logger="safeio")

@@ -11,9 +11,9 @@ from pathlib import Path
 import pytest
 
 import safeio
-from safeio import manifest
-from safeio.names import NAME_MAX, parse, sibling_name
-from safeio.recovery import recover_directory
+from safeio._promotion.leftovers import recover_directory
+from safeio._storage import manifest
+from safeio._storage.names import NAME_MAX, parse, sibling_name
 
 
 def save(target: Path, files: dict[str, str], **options: object) -> None:
@@ -241,12 +241,12 @@ def test_dotdot_in_path_is_normalised(tmp_path: Path) -> None:
 def test_body_error_and_cleanup_error_first_error_wins(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from safeio.promote import LocalPromoter
+    from safeio._promotion.local import LocalPromotion
 
-    def broken_discard(self: LocalPromoter, stage: str) -> None:
+    def broken_discard(self: LocalPromotion, stage: str) -> None:
         raise PermissionError(13, "cannot remove", stage)
 
-    monkeypatch.setattr(LocalPromoter, "discard", broken_discard)
+    monkeypatch.setattr(LocalPromotion, "discard", broken_discard)
     with pytest.raises(KeyError, match="body") as info, safeio.replicated(tmp_path / "t"):
         raise KeyError("body")
     assert isinstance(info.value.__context__, PermissionError)
@@ -270,7 +270,7 @@ def test_verify_finds_damage(tmp_path: Path) -> None:
 
 
 def test_a_later_save_of_the_same_job_covers_an_earlier_one() -> None:
-    from safeio.promote import call_covers
+    from safeio._saves.visibility import call_covers
 
     assert call_covers("job/abc/3", "job/abc/3")
     assert call_covers("job/abc/4", "job/abc/3")  # the writer saved again before this peer looked

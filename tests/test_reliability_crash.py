@@ -31,9 +31,9 @@ from typing import Any
 import pytest
 
 import safeio
-from safeio import manifest
+from safeio._storage import manifest
+from safeio._storage.names import parse
 from safeio.cli import main as safeio_cli
-from safeio.names import parse
 from tests._reliability import (
     SCALE,
     SEED,
@@ -69,12 +69,12 @@ def _child(target: str, version: int, mode: str, no_exchange: bool, kill_at_op: 
     in_forked_child()
     if no_exchange:
         os.environ["SAFEIO_NO_EXCHANGE"] = "1"
-    from safeio import promote
+    from safeio._promotion import base, exchange
 
     events: list[str] = []
     promoting = [False]
     ops = [0]
-    original_phase = promote.Promoter.phase
+    original_phase = base.Promotion.phase
 
     def phase(self: Any, name: str) -> None:
         events.append(f"{name}={time.monotonic():.6f}")
@@ -92,10 +92,10 @@ def _child(target: str, version: int, mode: str, no_exchange: bool, kill_at_op: 
 
         return call
 
-    promote.Promoter.phase = phase  # type: ignore[method-assign]  # forked child: patched for good
+    base.Promotion.phase = phase  # type: ignore[method-assign]  # forked child: patched for good
     for name in _MUTATING:
         setattr(os, name, counted(getattr(os, name)))
-    promote.renameat2 = counted(promote.renameat2)
+    exchange.renameat2 = counted(exchange.renameat2)  # type: ignore[attr-defined]
     with safeio.replicated(target, mode=mode, timeout=30) as stage:  # type: ignore[arg-type]
         write_version(version, stage.path)
     events.append(f"end={time.monotonic():.6f}")

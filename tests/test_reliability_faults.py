@@ -22,7 +22,7 @@ from typing import Any
 import pytest
 
 import safeio
-from safeio.locking import lock_path_for, make_lock
+from safeio._storage.locking import lock_path_for, make_lock
 from safeio.testing.nfslike import Mount
 from safeio.testing.ranks import run_ranks
 from tests._reliability import SCALE, SEED, record, scaled, whole_version, write_version

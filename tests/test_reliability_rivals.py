@@ -20,7 +20,7 @@ from typing import Any
 import pytest
 
 import safeio
-from safeio.locking import lock_path_for, make_lock
+from safeio._storage.locking import lock_path_for, make_lock
 from safeio.testing.nfslike import Mount
 from safeio.testing.ranks import RankResult, run_ranks
 from tests._reliability import SCALE, SEED, record, scaled
@@ -184,7 +184,7 @@ def test_a_crashed_lease_holder_is_recovered_from(
 ) -> None:
     parent = str(nfslike_mount.path)
     # SAFEIO_LEASE_SECONDS is read at import; this process imported safeio long ago.
-    monkeypatch.setattr("safeio.locking.LEASE_DURATION", 1.0)
+    monkeypatch.setenv("SAFEIO_LEASE_SECONDS", "1.0")
     _kill_holder(parent, "strict")
     # Baseline: filelock's fail-closed strict soft lock stays held by the dead process.
     with pytest.raises(safeio.LockTimeout):

@@ -19,9 +19,9 @@ from typing import Any
 import pytest
 
 import safeio
+from safeio._storage.location import resolve
+from safeio._storage.manifest import MANIFEST_NAME
 from safeio.cli import main as safeio_cli
-from safeio.manifest import MANIFEST_NAME
-from safeio.storage import resolve
 from tests._reliability import record
 
 moto_server = pytest.importorskip("moto.server")

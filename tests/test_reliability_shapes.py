@@ -22,7 +22,7 @@ from hypothesis import HealthCheck, given, seed, settings
 from hypothesis import strategies as st
 
 import safeio
-from safeio.names import lock_name
+from safeio._storage.names import lock_name
 from safeio.testing.ranks import run_ranks
 from tests._reliability import SCALE, SEED, record, scaled
 

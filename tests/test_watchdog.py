@@ -16,10 +16,12 @@ from typing import Any
 import pytest
 
 import safeio
-import safeio.watchdog
+import safeio._diagnostics.watchdog
+from safeio._diagnostics.watchdog import Watchdog
+from safeio._options import DEFAULT_WARN_AFTER
+from safeio._options import warn_after_or_default as resolve_warn_after
 from safeio.testing import ranks
 from safeio.testing.ranks import run_ranks
-from safeio.watchdog import DEFAULT_WARN_AFTER, Watchdog, resolve_warn_after
 
 HOST = socket.gethostname()
 
@@ -112,7 +114,7 @@ def test_a_quick_save_is_silent_and_heartbeats_never_wait(caplog: pytest.LogCapt
     assert set(phases.beats) == {False}  # the writer thread may hold the channel: never block on it
     assert not caplog.records
     # Stopped means forgotten by the shared monitor thread: nothing touches the channel any more.
-    assert watchdog not in safeio.watchdog._monitor._watches
+    assert watchdog not in safeio._diagnostics.watchdog._monitor._watches
     assert watchdog.tick() == float("inf")
 
 
@@ -148,9 +150,11 @@ class _Collect(logging.Handler):
 def _hang_in_body(rank: int, world: int, target: str, timeout: float, release: Any) -> dict[str, Any]:
     from torch.distributed import distributed_c10d as c10d
 
-    import safeio.channel
+    import safeio._coordination.channel
 
-    safeio.channel._LOG_EVERY = 0.5  # the waiting ranks' progress line, every 30 s in production
+    safeio._coordination.channel._LOG_EVERY = (
+        0.5  # the waiting ranks' progress line, every 30 s in production
+    )
     log = _Collect()
     logger = logging.getLogger("safeio")
     logger.addHandler(log)

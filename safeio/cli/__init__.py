@@ -12,13 +12,13 @@ import logging
 import sys
 from collections.abc import Sequence
 
+from safeio._errors import SafeIOError
 from safeio.cli import audit as audit
 from safeio.cli import demo as demo
 from safeio.cli import doctor as doctor
 from safeio.cli import gc as gc
 from safeio.cli import verify as verify
 from safeio.cli._common import EXIT_INTERRUPTED, EXIT_USAGE, CliError
-from safeio.errors import SafeIOError
 
 __all__ = ["build_parser", "main"]
 

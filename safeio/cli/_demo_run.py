@@ -26,7 +26,7 @@ PRELOAD = [
     "transformers.models.auto.tokenization_auto",
     "transformers.tokenization_utils_tokenizers",
     "transformers.modeling_utils",  # safeio.hf checks for models: 3.5 s to import on first use
-    "safeio.hf",
+    "safeio._saves.hf",
     "safeio.cli._demo_work",
 ]
 

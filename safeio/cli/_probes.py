@@ -22,8 +22,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from safeio._storage.posix import EXCHANGE_UNSUPPORTED, RENAME_EXCHANGE, renameat2
 from safeio.cli._common import human_seconds
-from safeio.storage import EXCHANGE_UNSUPPORTED, RENAME_EXCHANGE, renameat2
 
 FSYNC_SAMPLES = 5
 _PEER_SCRIPT = str(Path(__file__).with_name("_peer.py"))

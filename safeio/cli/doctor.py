@@ -17,11 +17,11 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from safeio._storage.fsops import remove_tree
+from safeio._storage.names import sibling_name
 from safeio.cli import _probes
 from safeio.cli._common import EXIT_OK, EXIT_PROBLEMS, CliError, existing_directory, print_json, write_error
 from safeio.cli._fsinfo import FsInfo, inspect
-from safeio.fsops import remove_tree
-from safeio.names import sibling_name
 
 DEFAULT_PROBE_TIMEOUT = 2.0
 

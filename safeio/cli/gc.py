@@ -1,8 +1,8 @@
 """``safeio gc PATH``: remove what crashed safeio writers left behind, and nothing else.
 
-Leftovers are recognised by name only (``safeio.names``: stages, old versions renamed aside,
+Leftovers are recognised by name only (``safeio._storage.names``: stages, old versions renamed aside,
 temporary files and links, version directories; ``.<target>.safeio.lock`` markers), and judged by
-``safeio.recovery.recover_directory``, the same code a writer runs before it promotes: a sibling whose
+``safeio._promotion.leftovers.recover_directory``, the same code a writer runs before it promotes: a sibling whose
 owner is alive on this host is never touched; one whose owner is gone is removed (or, for an old
 version whose target is missing, put back; for an interrupted merge, rolled forward); one owned by
 another host only with ``--older-than``. Silly-renamed ``.nfs*`` files inside a leftover go with it
@@ -18,6 +18,9 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from safeio._promotion.leftovers import recover_directory
+from safeio._promotion.recovery import Action
+from safeio._storage.names import LOCK_SUFFIX, Sibling, parse, pid_alive
 from safeio.cli._common import (
     EXIT_OK,
     EXIT_PROBLEMS,
@@ -26,8 +29,6 @@ from safeio.cli._common import (
     parse_duration,
     print_json,
 )
-from safeio.names import LOCK_SUFFIX, Sibling, parse, pid_alive
-from safeio.recovery import Action, recover_directory
 
 # filelock's soft-lock markers are at most this long; anything bigger is not one of them.
 _MARKER_MAX = 1024

@@ -3,15 +3,13 @@
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 from typing import Any
 
-from safeio import manifest
+from safeio._storage import manifest
+from safeio._storage.location import Location, resolve
+from safeio._storage.readers import reader_for
 from safeio.cli._common import EXIT_OK, EXIT_PROBLEMS, print_json
-from safeio.readers import verify
-from safeio.remote import read_remote_manifest
-from safeio.storage import Location, resolve
 
 
 def add_parser(commands: Any, epilog: str) -> None:
@@ -36,8 +34,9 @@ def add_parser(commands: Any, epilog: str) -> None:
 def run(args: argparse.Namespace) -> int:
     location = resolve(args.path)  # InvalidTargetError (empty path, NUL byte) is bad input: exit 2
     shown = location.url()
-    problems = verify(location.given, check_hashes=not args.no_hashes)
-    record = _manifest_of(location)
+    reader = reader_for(location)
+    problems = reader.verify(check_hashes=not args.no_hashes)
+    record = reader.manifest() if reader.exists() else None
     if problems and record is None and not location.is_local:
         problems = [_describe_uncommitted(location)]
     report: dict[str, Any] = {
@@ -53,12 +52,6 @@ def run(args: argparse.Namespace) -> int:
     else:
         _print(report)
     return EXIT_OK if not problems else EXIT_PROBLEMS
-
-
-def _manifest_of(location: Location) -> dict[str, Any] | None:
-    if location.is_local:
-        return manifest.read(location.path) if os.path.isdir(location.path) else None
-    return read_remote_manifest(location.fs, location.path)
 
 
 def _has_hashes(record: dict[str, Any]) -> bool:

@@ -15,19 +15,16 @@ import logging
 import os
 import time
 from collections.abc import Iterator
-from typing import Literal
 
 import filelock
 
+from safeio._boundary import lock_not_acquired
+from safeio._options import LockSetting, lease_seconds
+from safeio._storage.mounts import is_network_path
+from safeio._storage.names import lock_name
 from safeio._who import who
-from safeio.errors import LockTimeout
-from safeio.names import lock_name
-from safeio.storage import is_network_path
 
 logger = logging.getLogger("safeio")
-
-LockSetting = bool | Literal["auto", "flock", "lease", "strict"]
-LEASE_DURATION = float(os.environ.get("SAFEIO_LEASE_SECONDS", "30"))
 
 
 def lock_path_for(parent: str, target_name: str) -> str:
@@ -72,7 +69,7 @@ def make_lock(path: str, setting: LockSetting, timeout: float) -> filelock.BaseF
     if kind == "flock":
         return filelock.FileLock(path, timeout=timeout)
     if kind == "lease":
-        return _SoftFileLease(path, timeout=timeout, lease_duration=LEASE_DURATION)
+        return _SoftFileLease(path, timeout=timeout, lease_duration=lease_seconds())
     if kind == "strict":
         return filelock.StrictSoftFileLock(path, timeout=timeout)
     raise ValueError(f"lock must be True, False, 'auto', 'flock', 'lease' or 'strict', got {setting!r}")
@@ -89,14 +86,7 @@ def held(lock: filelock.BaseFileLock | None, target: str, rank: int) -> Iterator
         lock.acquire()
     except filelock.Timeout as exc:
         holder = getattr(exc, "_holder", None) or _describe_holder(lock)
-        # Not named `who`: that local would shadow safeio._who.who for the whole function.
-        held_by = f", held by {holder}" if holder else ""
-        raise LockTimeout(
-            f"rank {rank}: could not acquire the promotion lock {lock.lock_file} for {target} "
-            f"within {lock.timeout:g} s{held_by}",
-            lock.lock_file,
-            holder=holder,
-        ) from exc
+        raise lock_not_acquired(lock.lock_file, target, rank, lock.timeout, holder) from exc
     acquired = time.monotonic()
     logger.debug("%s: lock %s acquired in %.1f ms", who(rank), lock.lock_file, (acquired - started) * 1e3)
     try:

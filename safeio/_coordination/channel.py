@@ -22,9 +22,9 @@ from dataclasses import asdict, dataclass
 from datetime import timedelta
 from typing import Any
 
+from safeio._coordination.group import Group, job_id
+from safeio._errors import PeerTimeout, RemoteWriterError
 from safeio._who import who
-from safeio.errors import PeerTimeout, RemoteWriterError
-from safeio.group import Group, job_id
 
 logger = logging.getLogger("safeio")
 

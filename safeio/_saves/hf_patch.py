@@ -1,34 +1,22 @@
-"""Hugging Face integration: ``save_pretrained`` through safeio, and a patch for code you do not own.
+"""``safeio.patch_save_pretrained``: every ``save_pretrained`` of transformers' classes through safeio.
 
-Every tokenizer, processor and config ``save_pretrained`` opens its files with ``O_TRUNC`` in the target
-directory and writes them in place; when every rank does it on NFS, writers and readers interlock in
-the kernel (the 35-hour hang). Here only the writer calls the object's ``save_pretrained``, into a
-private stage, and the stage is promoted atomically. Models are different: their ``save_pretrained``
-may gather state from every rank, so every rank calls it (into its own stage, ``is_main_process`` true
-on the writer only) and only the writer's stage is promoted.
-
-The default mode is ``merge``: Hugging Face's contract is "write my files into this directory", and a
-checkpoint directory holds a model, its tokenizer, its config and trainer state side by side; replacing
-the whole directory when the tokenizer is saved would delete the model.
+For code you do not own (HF Trainer, accelerate, your own loop). While installed, the ``save_pretrained``
+of tokenizers, processors, image processors, feature extractors, configs and generation configs (models
+too with ``include_models``) is replaced by a wrapper that calls ``safeio._saves.hf.save_through``; classes
+defined while the patch is active (transformers imports model modules lazily) are wrapped as they appear.
+The last uninstall restores exactly the attributes that were there before.
 """
 
 from __future__ import annotations
 
 import contextlib
 import functools
-import os
-import sys
 import threading
-from collections.abc import Callable, Iterator
-from pathlib import PurePath
+from collections.abc import Iterator
 from typing import Any
 
-from safeio import active
-from safeio.errors import UnsupportedSaveError
-from safeio.locking import LockSetting
-from safeio.promote import Mode
-from safeio.replicated import Stage, replicated
-from safeio.storage import resolve
+from safeio._options import LockSetting, Mode, SaveOptions
+from safeio._saves.hf import save_through
 
 
 def _transformers() -> Any:
@@ -39,136 +27,6 @@ def _transformers() -> Any:
             "safeio's Hugging Face integration needs transformers: pip install 'safeio[hf]'"
         ) from exc
     return transformers
-
-
-def _is_model(obj: Any) -> bool:
-    """Models (anything whose save takes ``is_main_process``) must be saved on every rank."""
-    # Only an imported modeling_utils can have made a model: never import it (torch, sympy...) to ask.
-    modeling = sys.modules.get("transformers.modeling_utils")
-    if modeling is not None and isinstance(obj, modeling.PreTrainedModel):
-        return True
-    import inspect
-
-    try:
-        return "is_main_process" in inspect.signature(obj.save_pretrained).parameters
-    except (TypeError, ValueError):
-        return False
-
-
-def _rewrite(value: Any, stage: str, target: str) -> Any:
-    """Replace the stage prefix of every path in ``value`` by the target's."""
-    if isinstance(value, (str, PurePath)):
-        text = os.fspath(value)
-        if text == stage or text.startswith(stage.rstrip("/") + "/"):
-            rewritten = target + text[len(stage.rstrip("/")) :]
-            return rewritten if isinstance(value, str) else type(value)(rewritten)
-        return value
-    if isinstance(value, tuple):
-        return tuple(_rewrite(v, stage, target) for v in value)
-    if isinstance(value, list):
-        return [_rewrite(v, stage, target) for v in value]
-    if isinstance(value, dict):
-        return {k: _rewrite(v, stage, target) for k, v in value.items()}
-    return value
-
-
-def save_pretrained(
-    obj: Any,
-    target: str | os.PathLike[str],
-    *args: Any,
-    group: Any = None,
-    timeout: float | None = None,
-    mode: Mode = "merge",
-    durable: bool = True,
-    lock: LockSetting = "auto",
-    manifest: bool = True,
-    writer: int | None = None,
-    **hf_kwargs: Any,
-) -> Any:
-    """``obj.save_pretrained(target, ...)`` written once, atomically, with every rank told the outcome.
-
-    Returns what the wrapped call returns, with stage paths rewritten to the target, on every rank.
-    ``target`` may be a local path or an fsspec URL (``s3://``, ``memory://``, ...).
-    """
-    original = getattr(obj, "save_pretrained", None)
-    if not callable(original):
-        raise UnsupportedSaveError(
-            f"cannot save {type(obj).__name__} to {os.fspath(target)}: it has no save_pretrained method",
-            os.fspath(target),
-        )
-    return _save(
-        obj, original, target, args, hf_kwargs, group, timeout, mode, durable, lock, manifest, writer
-    )
-
-
-def _save(
-    obj: Any,
-    method: Callable[..., Any],
-    target: str | os.PathLike[str],
-    args: tuple[Any, ...],
-    hf_kwargs: dict[str, Any],
-    group: Any,
-    timeout: float | None,
-    mode: Mode,
-    durable: bool,
-    lock: LockSetting,
-    manifest: bool,
-    writer: int | None,
-) -> Any:
-    location = resolve(target)
-    if hf_kwargs.get("push_to_hub"):
-        raise UnsupportedSaveError(
-            f"push_to_hub=True is not a file write and safeio will not do it: save to {location.url()} "
-            "with safeio, then push from one process",
-            location.url(),
-        )
-    nested = active.redirect(location.path if location.is_local else location.url())
-    if nested is not None:
-        # A save inside a save (a processor saving its tokenizer): write straight into the open stage,
-        # with no second stage, lock, counter or wait (peers never make this nested call).
-        return method(nested, *args, **hf_kwargs)
-    is_model = _is_model(obj)
-    with replicated(
-        location.given,
-        group=group,
-        timeout=timeout,
-        mode=mode,
-        durable=durable,
-        lock=lock,
-        manifest=manifest,
-        writer=writer,
-    ) as stage:
-        if is_model:
-            # state_dict gathering may be collective: every rank calls, only the writer's stage is kept.
-            hf_kwargs = {**hf_kwargs, "is_main_process": stage.is_writer}
-            _run(stage, location.given.rstrip("/"), method, args, hf_kwargs, writer_only=False)
-        elif stage.is_writer:
-            _run(stage, location.given.rstrip("/"), method, args, hf_kwargs, writer_only=True)
-    return stage.result
-
-
-def _run(
-    stage: Stage,
-    target: str,
-    method: Callable[..., Any],
-    args: tuple[Any, ...],
-    hf_kwargs: dict[str, Any],
-    *,
-    writer_only: bool,
-) -> None:
-    if writer_only:
-        from safeio.collectives import writer_only_section
-
-        with writer_only_section(target):
-            value = method(stage.path, *args, **hf_kwargs)
-    else:
-        value = method(stage.path, *args, **hf_kwargs)
-    if stage.is_writer:
-        stage.result = _rewrite(value, stage.path, target)
-
-
-# ---------------------------------------------------------------------------------------------------
-# The patch
 
 
 def _patch_targets(include_models: bool) -> list[type]:
@@ -231,14 +89,20 @@ class SaveRouting:
         mode: Mode = "merge",
         durable: bool = True,
         lock: LockSetting = "auto",
+        manifest: bool = True,
+        warn_after: float | None = None,
     ) -> None:
+        # The safeio options a patched call may also pass as keyword arguments (they override these).
         self.options: dict[str, Any] = {
-            "group": group,
             "timeout": timeout,
             "mode": mode,
             "durable": durable,
             "lock": lock,
+            "manifest": manifest,
+            "warn_after": warn_after,
         }
+        SaveOptions.of(**self.options)  # a bad option fails here, not at the first save
+        self.group = group
         self.include_models = include_models
         self.installed = False
 
@@ -306,8 +170,10 @@ class SaveRouting:
             bound = original.__get__(self, type(self))
             if routing is None:
                 return bound(save_directory, *args, **kwargs)
-            options = {**routing.options, **{k: kwargs.pop(k) for k in list(kwargs) if k in routing.options}}
-            return _save(self, bound, save_directory, args, kwargs, writer=None, manifest=True, **options)
+            chosen = {**routing.options, **{k: kwargs.pop(k) for k in list(kwargs) if k in routing.options}}
+            group = kwargs.pop("group", routing.group)
+            options = SaveOptions.of(**chosen)
+            return save_through(self, bound, save_directory, args, kwargs, options, group)
 
         save_pretrained.__safeio_original__ = original  # type: ignore[attr-defined]
         setattr(klass, "save_pretrained", save_pretrained)  # noqa: B010 - the attribute is the point
@@ -355,6 +221,8 @@ def patch_save_pretrained(
     mode: Mode = "merge",
     durable: bool = True,
     lock: LockSetting = "auto",
+    manifest: bool = True,
+    warn_after: float | None = None,
 ) -> SaveRouting:
     """Route transformers' ``save_pretrained`` (tokenizers, processors, image processors, feature
     extractors, configs, generation configs; models only with ``include_models``) through safeio.
@@ -364,5 +232,12 @@ def patch_save_pretrained(
     the caller already guards it (rank 0 saves and returns without waiting for anyone).
     """
     return SaveRouting(
-        group=group, include_models=include_models, timeout=timeout, mode=mode, durable=durable, lock=lock
+        group=group,
+        include_models=include_models,
+        timeout=timeout,
+        mode=mode,
+        durable=durable,
+        lock=lock,
+        manifest=manifest,
+        warn_after=warn_after,
     )

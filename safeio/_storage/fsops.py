@@ -9,8 +9,8 @@ import shutil
 import stat
 import time
 
+from safeio._storage.posix import current_umask
 from safeio._who import who
-from safeio.storage import current_umask
 
 logger = logging.getLogger("safeio")
 

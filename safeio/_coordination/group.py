@@ -16,7 +16,7 @@ import time
 from datetime import timedelta
 from typing import Any, Protocol, runtime_checkable
 
-from safeio.errors import PeerTimeout, SafeIOError
+from safeio._errors import PeerTimeout, SafeIOError
 
 
 @runtime_checkable

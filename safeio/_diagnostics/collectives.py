@@ -31,8 +31,8 @@ import threading
 from collections.abc import Callable, Iterator
 from typing import Any, ClassVar
 
+from safeio._errors import CollectiveInWriterSection
 from safeio._who import who
-from safeio.errors import CollectiveInWriterSection
 
 # Every collective of torch.distributed (c10d) that needs the other ranks to make the same call.
 COLLECTIVES: tuple[str, ...] = (

@@ -33,29 +33,11 @@ from safeio._who import who
 
 logger = logging.getLogger("safeio")
 
-DEFAULT_WARN_AFTER = 60.0
 HEARTBEAT_EVERY = 5.0  # a TCPStore set costs well under a millisecond
 MAX_GAP = 600.0
 _STACK_FRAMES = 40
 _IDLE_TICK = 1.0  # while idle the thread wakes this often, so a new save rarely has to wake it
 _IDLE_EXIT = 60.0
-
-
-def resolve_warn_after(warn_after: float | None) -> float:
-    """``warn_after`` if given, else ``SAFEIO_WARN_AFTER``, else 60 s; ``inf`` disables the warnings."""
-    source = "warn_after"
-    if warn_after is None:
-        raw = os.environ.get("SAFEIO_WARN_AFTER", "").strip()
-        if not raw:
-            return DEFAULT_WARN_AFTER
-        source = "SAFEIO_WARN_AFTER"
-        try:
-            warn_after = float(raw)
-        except ValueError:
-            raise ValueError(f"SAFEIO_WARN_AFTER must be a number of seconds, got {raw!r}") from None
-    if math.isnan(warn_after) or warn_after <= 0:
-        raise ValueError(f"{source} must be a positive number of seconds, got {warn_after!r}")
-    return float(warn_after)
 
 
 class PhaseSource(Protocol):

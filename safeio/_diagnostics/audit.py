@@ -36,10 +36,10 @@ from dataclasses import dataclass, field
 from types import FrameType, TracebackType
 from typing import Any, Literal
 
-from safeio import active
+from safeio._errors import InvalidOptionError, SafeIOError, UnsafeWriteError
+from safeio._promotion import active
+from safeio._storage.names import LOCK_SUFFIX, parse
 from safeio._who import current_rank, host, who
-from safeio.errors import UnsafeWriteError
-from safeio.names import LOCK_SUFFIX, parse
 
 logger = logging.getLogger("safeio")
 
@@ -393,11 +393,22 @@ def install_from_environment(environ: Mapping[str, str] | None = None) -> Audito
         return _registry.from_environment
     action = env.get("SAFEIO_AUDIT_ACTION", "warn").strip() or "warn"
     if action not in ACTIONS:
-        raise ValueError(f"SAFEIO_AUDIT_ACTION must be one of {', '.join(ACTIONS)}; got {action!r}")
+        raise InvalidOptionError(
+            f"SAFEIO_AUDIT_ACTION must be one of {', '.join(ACTIONS)}; got {action!r}", None
+        )
     record_dir = env.get("SAFEIO_AUDIT_DIR", "").strip() or None
     auditor = _registry.from_environment = Auditor(root, action, record_dir).start()  # type: ignore[arg-type]
     logger.debug("%s: auditing Python-level writes under %s (SAFEIO_AUDIT)", who(), auditor.root)
     return auditor
+
+
+def install_at_import() -> None:
+    """``install_from_environment`` for ``import safeio``: a bad SAFEIO_AUDIT* value must not break the
+    import of every program that uses safeio; it is logged instead (and raised by an explicit call)."""
+    try:
+        install_from_environment()
+    except (SafeIOError, OSError) as exc:
+        logger.error("%s: the audit sanitizer was not started: %s", who(), exc)
 
 
 # -- merging the ranks' records --------------------------------------------------------------------

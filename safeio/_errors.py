@@ -2,6 +2,7 @@
 
     SafeIOError                      (root; .path)
     ├── InvalidTargetError           (ValueError)       bad input: empty path, a file where a directory goes
+    ├── InvalidOptionError           (ValueError)       a bad argument or SAFEIO_* variable
     ├── TargetExistsError            (FileExistsError)  mode="error" and the target exists
     ├── PromotionError               (OSError)          the writer could not stage, sync or promote
     ├── LockTimeout                  (TimeoutError)     the promotion lock was not acquired in time
@@ -44,6 +45,10 @@ class SafeIOError(Exception):
 
 class InvalidTargetError(SafeIOError, ValueError):
     """The target cannot be written as asked (empty, a file where a directory goes, a foreign symlink)."""
+
+
+class InvalidOptionError(SafeIOError, ValueError):
+    """An argument or ``SAFEIO_*`` environment variable has a value safeio cannot use; names which."""
 
 
 class TargetExistsError(SafeIOError, FileExistsError):

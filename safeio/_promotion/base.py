@@ -1,0 +1,135 @@
+"""The writer's side of one save: the flow every storage behaviour shares.
+
+``Promotion`` owns the order of the steps and the phases peers see (like filelock's ``BaseFileLock``
+owning ``acquire``); each behaviour fills in the hooks for its storage:
+
+    open_stage()                       check the target, create the private stage
+    finish(stage):
+      phase "manifest"  _prepare        permissions, what goes in the manifest
+      phase "fsync"     _sync           make the stage durable (when asked)
+      phase "lock"      _locked         the promotion lock (none on object stores)
+      phase "promote"   _before_promote the target is still what we checked; leftovers of dead writers
+                        _promote        the behaviour itself (rename, exchange, merge, link swap, upload)
+                        _after_promote  make the promotion durable
+    discard(stage)                     after a failure: the target is untouched
+
+A behaviour is picked by ``safeio._promotion.resolver``, never by an ``if`` in this flow.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from safeio._boundary import mapped
+from safeio._options import SaveOptions
+from safeio._storage import manifest
+from safeio._storage.location import Location
+from safeio._who import who
+
+logger = logging.getLogger("safeio")
+
+PhaseHook = Callable[[str], None]
+
+
+class Promotion(ABC):
+    """One writer-side save of ``location`` with ``options``."""
+
+    def __init__(
+        self,
+        location: Location,
+        options: SaveOptions,
+        *,
+        rank: int,
+        call_id: str,
+        on_phase: PhaseHook | None = None,
+    ) -> None:
+        self.location = location
+        self.options = options
+        self.rank = rank
+        self.call_id = call_id
+        self._on_phase = on_phase
+        self._started = time.monotonic()  # peers' waits began about now (see lock_timeout)
+        self.result: Any = None  # the body's result (JSON form), recorded in the manifest
+
+    # -- the flow ----------------------------------------------------------------------------------
+
+    @abstractmethod
+    def open_stage(self) -> str:
+        """Check the target and create the writer's private stage; return its local path."""
+
+    def finish(self, stage: str) -> None:
+        """Describe, sync, lock and promote ``stage``; on return the target is the new version."""
+        target = self.location.url()
+        with mapped(f"could not promote {target}", target):
+            self.phase("manifest")  # describing the stage reads (and, if durable, hashes) every file
+            entries = self._prepare(stage)
+            self.phase("fsync")
+            self._sync(stage)
+            self.phase("lock")
+            with self._locked():
+                self.phase("promote")
+                self._before_promote()
+                self._promote(stage, entries)
+                self._after_promote()
+        logger.debug("%s: promoted %s (mode %s)", who(self.rank), target, self.options.mode)
+
+    @abstractmethod
+    def discard(self, stage: str) -> None:
+        """Remove ``stage`` after a failure (the target is untouched)."""
+
+    # -- hooks -------------------------------------------------------------------------------------
+
+    def _prepare(self, stage: str) -> dict[str, dict[str, Any]]:
+        """The manifest entries of the stage's files (none when the manifest is off)."""
+        if not self.options.manifest:
+            return {}
+        # Hashes only when durable: see safeio._storage.manifest for the cost.
+        return manifest.describe_files(stage, hashes=self.options.durable)
+
+    def _sync(self, stage: str) -> None:  # noqa: B027 - an optional hook: no-op unless a behaviour needs it
+        """Make the stage durable before it is promoted (nothing by default)."""
+
+    @contextlib.contextmanager
+    def _locked(self) -> Iterator[None]:
+        """Hold the promotion lock for the block (none by default)."""
+        yield
+
+    def _before_promote(self) -> None:  # noqa: B027 - an optional hook: no-op unless a behaviour needs it
+        """Re-check the target under the lock and put right what dead writers left (nothing by default)."""
+
+    @abstractmethod
+    def _promote(self, stage: str, entries: dict[str, dict[str, Any]]) -> None:
+        """Make ``stage`` the target."""
+
+    def _after_promote(self) -> None:  # noqa: B027 - an optional hook: no-op unless a behaviour needs it
+        """Make the promotion itself durable (nothing by default)."""
+
+    # -- shared by behaviours ----------------------------------------------------------------------
+
+    def phase(self, name: str) -> None:
+        if self._on_phase is not None:
+            self._on_phase(name)
+
+    def lock_timeout(self) -> float:
+        """What is left of ``timeout`` for the lock, minus a margin to publish the outcome.
+
+        Peers wait ``timeout`` from about when this save began; a writer that waited the full
+        ``timeout`` for a rival's lock after its body would report LockTimeout after every peer had
+        given up with a PeerTimeout that hides why (seen with 8 ranks and a rival holding the lock).
+        """
+        timeout = self.options.timeout
+        margin = min(1.0, 0.05 * timeout)
+        return max(0.01, timeout - (time.monotonic() - self._started) - margin)
+
+    def manifest_record(
+        self, entries: dict[str, dict[str, Any]], previous: dict[str, Any] | None
+    ) -> dict[str, Any]:
+        """The manifest of this save; with ``previous`` (merge) the other objects' entries are kept."""
+        return manifest.build(
+            entries, rank=self.rank, call=self.call_id, previous=previous, result=self.result
+        )

@@ -1,0 +1,43 @@
+"""Replace in one step: ``renameat2(RENAME_EXCHANGE)`` swaps the stage and the target.
+
+Readers never see the name missing. The stage's name then holds the old version, which is removed.
+Where the filesystem refuses the flag (NFS and FUSE answer EINVAL) this falls back to renaming aside,
+remembers the refusal for the device and warns once.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+from safeio._promotion import capabilities
+from safeio._promotion.aside import RenameAside
+from safeio._storage.posix import EXCHANGE_UNSUPPORTED, RENAME_EXCHANGE, renameat2
+from safeio._who import who
+
+logger = logging.getLogger("safeio")
+
+
+class Exchange(RenameAside):
+    def _swap(self, stage: str) -> None:
+        device = os.stat(self.parent).st_dev
+        if capabilities.exchange_refused(device):
+            super()._swap(stage)
+            return
+        try:
+            renameat2(stage, self.target, RENAME_EXCHANGE)
+        except OSError as exc:
+            if exc.errno not in EXCHANGE_UNSUPPORTED:
+                raise
+            capabilities.record_exchange_refused(device)
+            logger.warning(
+                "%s: the filesystem of %s refuses RENAME_EXCHANGE (%s): replacing by renaming the "
+                "old version aside; readers may see the name missing for an instant (mode='versioned' "
+                "avoids that)",
+                who(self.rank),
+                self.target,
+                exc.strerror,
+            )
+            super()._swap(stage)
+            return
+        self.remove_old_version(stage)  # the stage's name now holds the old version

@@ -1,0 +1,101 @@
+"""Finding what dead writers left beside a target, judging it, and handing it to its behaviour.
+
+Used by the writer before it promotes (for its own target, under the promotion lock) and by ``safeio
+gc`` (for a whole directory). Only names that parse as safeio siblings are ever touched, and never one
+whose owner may be alive. Each behaviour holds its own recovery:
+- a stage with a merge intent (killed between two file replacements): ``Merge.recover`` rolls it forward;
+- an old version renamed aside: ``RenameAside.recover`` puts it back if the target is missing;
+- version directories: ``versioned.prune`` once no link points at them and they are past the grace;
+- anything else (a stage without intent, a temporary file or link): removed.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+from safeio._promotion import active
+from safeio._promotion.aside import RenameAside
+from safeio._promotion.merge import Merge
+from safeio._promotion.recovery import Action, Leftover
+from safeio._promotion.versioned import prune, versioned_targets
+from safeio._storage.fsops import remove_tree
+from safeio._storage.names import Sibling, host_tag, parse
+
+# Merges first (they complete targets), then asides (they restore missing ones), then the rest.
+_ORDER = {"stage": 0, "old": 1}
+
+
+def staleness(sibling: Sibling, path: str, older_than: float | None, now: float) -> tuple[bool, str]:
+    """Whether a sibling may be recovered now, and why (or why not)."""
+    if sibling.kind == "v":
+        return False, "version directory in use, among the newest, or within its grace period"
+    alive = sibling.owner_is_alive()
+    if alive and sibling.pid == os.getpid() and sibling.host == host_tag():
+        # Our own: stale unless a save in this process is using it right now (an aside left behind by
+        # an earlier save because NFS silly-renamed files kept it, say).
+        if active.is_active_stage(path):
+            return False, "a save in this process is using it"
+        alive = False
+    if alive:
+        return False, f"owner pid {sibling.pid} is alive"
+    try:
+        age = now - os.lstat(path).st_mtime
+    except OSError:
+        return False, "vanished"
+    if older_than is not None and age < older_than:
+        return False, f"{age:.0f} s old, younger than {older_than:g} s"
+    if alive is None:
+        if older_than is None:
+            return False, "owner on another host (pass an age to remove it)"
+        return True, f"owner on another host, {age:.0f} s old"
+    return True, f"owner pid {sibling.pid} is gone"
+
+
+def recover_directory(
+    parent: str,
+    *,
+    target_name: str | None = None,
+    older_than: float | None = None,
+    dry_run: bool = False,
+    durable: bool = True,
+) -> list[Action]:
+    """Recover every stale safeio sibling in ``parent`` (only ``target_name``'s, if given)."""
+    try:
+        names = sorted(os.listdir(parent))
+    except FileNotFoundError:
+        return []
+    now = time.time()
+    candidates = (parse(name) for name in names if ".safeio-" in name)
+    siblings = [(s, os.path.join(parent, s.name)) for s in candidates if s is not None and s.kind != "v"]
+    if target_name is not None:
+        siblings = [(s, p) for s, p in siblings if s.belongs_to(target_name)]
+    siblings.sort(key=lambda sp: _ORDER.get(sp[0].kind, 2))
+    actions: list[Action] = []
+    for sibling, path in siblings:
+        stale, reason = staleness(sibling, path, older_than, now)
+        if stale:
+            leftover = Leftover(sibling, path, parent, reason)
+            actions.append(_recover_one(leftover, target_name, dry_run=dry_run, durable=durable))
+    for versioned in versioned_targets(parent, target_name):
+        actions.extend(prune(parent, versioned, dry_run=dry_run, now=now))
+    return actions
+
+
+def recover_target(parent: str, target_name: str, durable: bool) -> None:
+    """The writer's step before it promotes: put right what dead writers of this target left."""
+    recover_directory(parent, target_name=target_name, durable=durable)
+
+
+def _recover_one(leftover: Leftover, target_name: str | None, *, dry_run: bool, durable: bool) -> Action:
+    kind = leftover.sibling.kind
+    if kind == "stage":
+        rolled = Merge.recover(leftover, target_name, dry_run=dry_run, durable=durable)
+        if rolled is not None:
+            return rolled
+    elif kind == "old":
+        return RenameAside.recover(leftover, target_name, dry_run=dry_run, durable=durable)
+    size = leftover.size
+    if not dry_run:
+        remove_tree(leftover.path, what=f"stale {kind}")
+    return Action("remove", leftover.path, leftover.reason, size)

@@ -1,0 +1,2 @@
+"""The entry points: the replicated flow (``replicated``), Hugging Face saves and their patch, replicated
+torch objects, and ``atomic_open`` (one file, no rank logic)."""

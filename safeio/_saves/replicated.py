@@ -1,0 +1,243 @@
+"""The replicated flow: the body runs on every rank; only the writer's stage becomes the target.
+
+On the writer: open the stage (a watchdog watching every phase), run the body, promote or discard, and
+*publish* the outcome; the writer never waits for its peers, so code that already guards its save with
+"rank 0 only" cannot hang. Elsewhere: the body writes into node-local scratch, then the rank waits
+(bounded) for the writer's outcome and for the new version to be visible from it. The same flow serves
+directories (``safeio.replicated``, ``save_pretrained``) and single files (``safeio.torch_save``): only
+the promotion and the visibility check differ.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import tempfile
+import time
+from dataclasses import dataclass
+from types import TracebackType
+from typing import Any, Literal, Protocol
+
+from safeio._boundary import attach_cleanup_error, body_failure
+from safeio._coordination.channel import Channel, Outcome, decode_value, encode_value
+from safeio._coordination.group import Group, resolve_group
+from safeio._diagnostics.watchdog import Watchdog
+from safeio._options import SaveOptions
+from safeio._promotion import active
+from safeio._promotion.atomic_file import file_promotion_for
+from safeio._promotion.resolver import promotion_for
+from safeio._saves.visibility import DirectoryVisibility, FileVisibility
+from safeio._storage.location import Location, resolve
+
+logger = logging.getLogger("safeio")
+
+Kind = Literal["directory", "file"]
+
+
+@dataclass
+class Stage:
+    """Where the body writes. ``path`` is a local directory on every rank.
+
+    A writer's body may set ``result`` (JSON-serialisable: str, numbers, lists, tuples, dicts); after
+    the block every rank's ``stage.result`` holds the writer's value.
+    """
+
+    path: str
+    target: str
+    is_writer: bool
+    group: Group
+    nested: bool = False
+    result: Any = None
+
+
+class _Promoting(Protocol):
+    result: Any
+
+    def open_stage(self) -> str: ...
+    def finish(self, stage: str) -> None: ...
+    def discard(self, stage: str) -> None: ...
+
+
+class _Visibility(Protocol):
+    def note_entry(self) -> None: ...
+    def landed(self) -> bool: ...
+    def result(self) -> Any: ...
+
+
+class ReplicatedSave:
+    """Context manager returned by :func:`replicated` (``kind="file"``: ``stage.path`` is a file)."""
+
+    def __init__(
+        self,
+        target: str | os.PathLike[str],
+        options: SaveOptions,
+        *,
+        group: Any = None,
+        kind: Kind = "directory",
+    ) -> None:
+        self.location: Location = resolve(target)
+        self.options = options
+        self.kind = kind
+        self._group_arg = group
+        self._stage: Stage | None = None
+        self._entry: active.ActiveStage | None = None
+        self._channel: Channel | None = None
+        self._watchdog: Watchdog | None = None
+
+    @property
+    def timeout(self) -> float:
+        return self.options.timeout
+
+    def __enter__(self) -> Stage:
+        location = self.location
+        target_key = location.url()
+        active_key = location.path if location.is_local else target_key
+        nested = active.redirect(active_key) if self.kind == "directory" else None
+        group = resolve_group(self._group_arg)
+        if self.options.writer is not None:
+            group = group.with_writer(self.options.writer)
+        if nested is not None:
+            self._stage = Stage(nested, target_key, group.is_writer, group, nested=True)
+            return self._stage
+        channel = self._channel = Channel.open(group, target_key)
+        if group.is_writer:
+            path = self._enter_writer(channel, group)
+        else:
+            # Bodies run on every rank (SPMD); a non-writer's output goes to node-local scratch.
+            scratch = tempfile.mkdtemp(prefix="safeio-peer-")
+            path = scratch if self.kind == "directory" else os.path.join(scratch, location.name or "data")
+            self._visibility = self._make_visibility(channel)
+            self._visibility.note_entry()
+        self._entry = active.ActiveStage(active_key, path)
+        active.push(self._entry)
+        self._stage = Stage(path, target_key, group.is_writer, group)
+        return self._stage
+
+    def _make_promotion(self, channel: Channel, group: Group) -> _Promoting:
+        if self.kind == "file":
+            return file_promotion_for(
+                self.location, exclusive=False, durable=self.options.durable, on_phase=channel.enter_phase
+            )
+        return promotion_for(
+            self.location,
+            self.options,
+            rank=group.rank,
+            call_id=channel.call_id,
+            on_phase=channel.enter_phase,
+        )
+
+    def _make_visibility(self, channel: Channel) -> _Visibility:
+        if self.kind == "file":
+            return FileVisibility(self.location)
+        return DirectoryVisibility(self.location, call_id=channel.call_id, manifest=self.options.manifest)
+
+    def _enter_writer(self, channel: Channel, group: Group) -> str:
+        # Before the first phase: an uninterruptible mkdir on a hung mount must be reported too.
+        watchdog = self._watchdog = Watchdog(channel, self.options.warn_after, rank=group.rank).start()
+        channel.enter_phase("stage")
+        try:
+            self._promotion = self._make_promotion(channel, group)
+            path = self._promotion.open_stage()
+        except BaseException as exc:
+            channel.publish(Outcome.failure(self.location.url(), group.rank, exc))
+            watchdog.stop()
+            raise
+        channel.enter_phase("body")
+        return path
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        stage = self._stage
+        assert stage is not None, "__exit__ without __enter__"
+        if stage.nested:
+            return
+        assert self._entry is not None
+        assert self._channel is not None
+        try:
+            if stage.is_writer:
+                self._exit_writer(stage, self._channel, exc)
+            else:
+                self._exit_peer(stage, self._channel, exc)
+        finally:
+            # Only now: until the stage is promoted or discarded, recovery must see it as in use.
+            active.pop(self._entry)
+            if self._watchdog is not None:
+                self._watchdog.stop()
+
+    def _exit_writer(self, stage: Stage, channel: Channel, exc: BaseException | None) -> None:
+        promotion = self._promotion
+        error: BaseException | None = exc
+        value = encode_value(stage.result)
+        if error is None:
+            try:
+                promotion.result = value
+                promotion.finish(stage.path)
+            except BaseException as finish_error:
+                error = finish_error
+        if error is None:
+            channel.publish(Outcome(True, stage.target, stage.group.rank, value=value))
+            channel.enter_phase("done")
+            return
+        try:
+            promotion.discard(stage.path)
+        except BaseException as cleanup_error:
+            attach_cleanup_error(error, cleanup_error)
+        # The body's own I/O failure (ENOSPC, EIO...) names the target and keeps errno and cause.
+        mapped = body_failure(exc, stage.target, stage.group.rank) if exc is not None else None
+        # Publish what this rank raises, so peers' RemoteWriterError names the same type.
+        channel.publish(Outcome.failure(stage.target, stage.group.rank, mapped or error))
+        if mapped is not None:
+            raise mapped from exc
+        if exc is not None:
+            return  # the body's exception propagates unchanged
+        raise error
+
+    def _exit_peer(self, stage: Stage, channel: Channel, exc: BaseException | None) -> None:
+        scratch = stage.path if self.kind == "directory" else os.path.dirname(stage.path)
+        shutil.rmtree(scratch, ignore_errors=True)
+        if exc is not None:
+            return  # this rank's own error; the writer never waits for it
+        started = time.monotonic()
+        visibility = self._visibility
+        outcome = channel.wait(self.timeout, visibility.landed, visibility.result)
+        outcome.raise_if_failed(stage.group.rank)
+        stage.result = decode_value(outcome.value)
+        # NFS: this rank may be another client whose attribute/dentry cache still shows the old version
+        # for a while after the writer promoted. Return only once this save is visible from here.
+        channel.wait_visible(visibility.landed, started + self.timeout)
+
+
+def replicated(
+    target: str | os.PathLike[str],
+    *,
+    group: Any = None,
+    timeout: float | None = None,
+    mode: str = "replace",
+    durable: bool = True,
+    lock: bool | str = "auto",
+    manifest: bool = True,
+    writer: int | None = None,
+    warn_after: float | None = None,
+) -> ReplicatedSave:
+    """Write a replicated directory once, atomically, and tell every rank the outcome.
+
+    The body runs on every rank and writes into ``stage.path``: on the writer (``writer``, default rank
+    0 of ``group``) a private stage beside the target, promoted on success by ``mode``; elsewhere a
+    throwaway local directory. Non-writers return only once the writer's outcome is known, and raise
+    ``RemoteWriterError`` if it failed or ``PeerTimeout`` after ``timeout`` seconds. While the writer
+    spends more than ``warn_after`` seconds (default ``SAFEIO_WARN_AFTER``, else 60) in one phase, it
+    logs a WARNING with its stack, repeated with backoff; the save itself is never interrupted.
+    Every option is checked here, before any body runs.
+    """
+    options = SaveOptions.of(
+        mode=mode,
+        durable=durable,
+        lock=lock,
+        manifest=manifest,
+        timeout=timeout,
+        writer=writer,
+        warn_after=warn_after,
+    )
+    return ReplicatedSave(target, options, group=group)

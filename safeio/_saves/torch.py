@@ -1,0 +1,40 @@
+"""``safeio.torch_save``: a replicated torch object, written once and atomically, on the replicated flow."""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from safeio._options import SaveOptions
+from safeio._saves.replicated import ReplicatedSave
+
+
+def _torch() -> Any:
+    try:
+        import torch
+    except ImportError as exc:  # pragma: no cover - exercised only without torch
+        raise ImportError("safeio.torch_save needs torch: pip install 'safeio[torch]'") from exc
+    return torch
+
+
+def torch_save(
+    obj: Any,
+    path: str | os.PathLike[str],
+    *,
+    group: Any = None,
+    timeout: float | None = None,
+    durable: bool = True,
+    writer: int | None = None,
+    warn_after: float | None = None,
+    **save_kwargs: Any,
+) -> None:
+    """``torch.save(obj, path)`` on the writer only, atomically; every rank returns once it is done.
+
+    For replicated state (the same object on every rank). Sharded state belongs to
+    ``torch.distributed.checkpoint``, which safeio never wraps.
+    """
+    torch = _torch()
+    options = SaveOptions.of(timeout=timeout, durable=durable, writer=writer, warn_after=warn_after)
+    with ReplicatedSave(path, options, group=group, kind="file") as stage:
+        if stage.is_writer:
+            torch.save(obj, stage.path, **save_kwargs)

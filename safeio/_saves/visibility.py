@@ -1,0 +1,88 @@
+"""How a rank that did not write sees, on the filesystem, that the writer's save has landed.
+
+Used when there is no store to hear the outcome from (``RANK``/``WORLD_SIZE`` only), when the store has
+gone (rank 0 hosts it and may exit as soon as it has published), and after a successful outcome, to
+return only once the new version is visible from this rank (NFS client caches lag behind the writer).
+A save is recognised by the call id its writer recorded in the manifest.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from safeio._storage.location import Location
+from safeio._storage.readers import reader_for
+
+
+def call_covers(recorded: object, awaited: str) -> bool:
+    """Whether a manifest written by save ``recorded`` shows that save ``awaited`` has happened.
+
+    Call ids are ``job/target-digest/sequence``. A later save of the same target in the same job also
+    counts: the writer may have saved twice and exited before a slow peer looked (its store gone).
+    """
+    if not isinstance(recorded, str):
+        return False
+    if recorded == awaited:
+        return True
+    job, _, seq = recorded.rpartition("/")
+    awaited_job, _, awaited_seq = awaited.rpartition("/")
+    return job == awaited_job and seq.isdigit() and awaited_seq.isdigit() and int(seq) >= int(awaited_seq)
+
+
+class DirectoryVisibility:
+    """A directory target, recognised by its manifest (or by existing, when the manifest is off)."""
+
+    def __init__(self, location: Location, *, call_id: str, manifest: bool) -> None:
+        self.location = location
+        self.call_id = call_id
+        self.manifest = manifest or not location.is_local  # on object stores it is the commit marker
+        self._reader = reader_for(location)
+        # The manifest's call id when this peer entered the save: any other complete version seen later
+        # was promoted since, by our writer or a newer save (a rival job's), and ends the wait.
+        self.seen_at_start: object = None
+
+    def note_entry(self) -> None:
+        if self.manifest:
+            self.seen_at_start = self._recorded("call")
+
+    def _recorded(self, key: str) -> Any:
+        record = self._reader.manifest()
+        return record.get(key) if record else None
+
+    def _is_newer(self, recorded: object) -> bool:
+        if call_covers(recorded, self.call_id):
+            return True
+        return recorded is not None and recorded != self.seen_at_start
+
+    def landed(self) -> bool:
+        if not self.manifest:
+            return self._reader.exists()
+        record = self._reader.manifest()
+        return (
+            record is not None
+            and self._is_newer(record.get("call"))
+            and not self._reader.problems(record, check_hashes=False)
+        )
+
+    def result(self) -> Any:
+        return self._recorded("result")
+
+
+class FileVisibility:
+    """A single file: it carries no manifest, so "landed" can only mean it is there."""
+
+    def __init__(self, location: Location) -> None:
+        self.location = location
+
+    def note_entry(self) -> None:
+        pass
+
+    def landed(self) -> bool:
+        if self.location.is_local:
+            return os.path.exists(self.location.path)
+        assert self.location.fs is not None
+        return bool(self.location.fs.exists(self.location.path))
+
+    def result(self) -> Any:
+        return None

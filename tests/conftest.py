@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import os
+import secrets
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
@@ -22,3 +23,33 @@ def shared_dir() -> Iterator[Path]:
             for d in dirs:
                 os.chmod(os.path.join(root, d), 0o755)
         shutil.rmtree(path, ignore_errors=True)
+
+
+@pytest.fixture
+def s3(monkeypatch: pytest.MonkeyPatch) -> Iterator[dict[str, str]]:
+    """A moto S3 server on 127.0.0.1 with a fresh bucket (``BUCKET`` in the returned dict, with the
+    ``FSSPEC_S3_*`` variables a child process needs); stopped afterwards."""
+    import fsspec
+    import s3fs
+    from moto import server as moto_server
+
+    server = moto_server.ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+    server.start()
+    try:
+        host, port = server.get_host_and_port()
+        endpoint = f"http://{host}:{port}"
+        options = {"endpoint_url": endpoint, "key": "x", "secret": "x"}
+        monkeypatch.setitem(fsspec.config.conf, "s3", options)
+        s3fs.S3FileSystem.clear_instance_cache()
+        # moto keeps its buckets process-wide, across servers: a fresh name per test.
+        bucket = f"ckpt-{secrets.token_hex(4)}"
+        s3fs.S3FileSystem(**options).mkdir(bucket)
+        yield {
+            "BUCKET": bucket,
+            "FSSPEC_S3_ENDPOINT_URL": endpoint,
+            "FSSPEC_S3_KEY": "x",
+            "FSSPEC_S3_SECRET": "x",
+        }
+    finally:
+        s3fs.S3FileSystem.clear_instance_cache()
+        server.stop()

@@ -17,11 +17,9 @@ from safeio._diagnostics.audit import (
     AuditRecord,
     _registry,
     audit,
-    find_conflicts,
-    format_report,
     install_from_environment,
-    merge_reports,
 )
+from safeio._diagnostics.audit_report import find_conflicts, format_report, merge_reports
 from safeio.testing.ranks import run_ranks
 
 

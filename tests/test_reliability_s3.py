@@ -7,13 +7,11 @@ user would: ``fsspec.config.conf["s3"]`` in this process, ``FSSPEC_S3_*`` variab
 from __future__ import annotations
 
 import os
-import secrets
 import signal
 import subprocess
 import sys
 import textwrap
 import time
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -23,37 +21,6 @@ from safeio._storage.location import resolve
 from safeio._storage.manifest import MANIFEST_NAME
 from safeio.cli import main as safeio_cli
 from tests._reliability import record
-
-moto_server = pytest.importorskip("moto.server")
-s3fs = pytest.importorskip("s3fs")
-
-
-@pytest.fixture
-def s3(monkeypatch: pytest.MonkeyPatch) -> Iterator[dict[str, str]]:
-    """A moto S3 server on 127.0.0.1 with a fresh bucket (``BUCKET`` in the returned dict, with the
-    ``FSSPEC_S3_*`` variables a child process needs); stopped afterwards."""
-    import fsspec
-
-    server = moto_server.ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
-    server.start()
-    try:
-        host, port = server.get_host_and_port()
-        endpoint = f"http://{host}:{port}"
-        options = {"endpoint_url": endpoint, "key": "x", "secret": "x"}
-        monkeypatch.setitem(fsspec.config.conf, "s3", options)
-        s3fs.S3FileSystem.clear_instance_cache()
-        # moto keeps its buckets process-wide, across servers: a fresh name per test.
-        bucket = f"ckpt-{secrets.token_hex(4)}"
-        s3fs.S3FileSystem(**options).mkdir(bucket)
-        yield {
-            "BUCKET": bucket,
-            "FSSPEC_S3_ENDPOINT_URL": endpoint,
-            "FSSPEC_S3_KEY": "x",
-            "FSSPEC_S3_SECRET": "x",
-        }
-    finally:
-        s3fs.S3FileSystem.clear_instance_cache()
-        server.stop()
 
 
 def _save(url: str, files: dict[str, bytes]) -> None:

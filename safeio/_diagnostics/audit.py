@@ -7,8 +7,8 @@ operation does not happen), or only records. Non-truncating opens under ``root``
 context: a rank truncating a file that another rank has open is the NFS hang this library exists for.
 
 With a record directory every process appends its records to ``audit-rank{R}-pid{P}.jsonl`` there;
-``merge_reports`` merges the ranks' files and lists the conflicts: two ranks writing one path, and a
-rank truncating a path another rank opened (``safeio audit report DIR`` prints ``format_report``).
+``audit_report`` merges the ranks' files and lists the conflicts: two ranks writing one path, and a rank
+truncating a path another rank opened (``safeio audit report DIR`` prints its report).
 
 It sees Python-level I/O only. Python audit hooks fire in the interpreter's own ``open``/``os``
 functions; a Rust or C writer (the ``tokenizers`` library writing ``tokenizer.json``, safetensors'
@@ -31,8 +31,8 @@ import os
 import sys
 import threading
 import time
-from collections.abc import Iterable, Mapping
-from dataclasses import dataclass, field
+from collections.abc import Mapping
+from dataclasses import dataclass
 from types import FrameType, TracebackType
 from typing import Any, Literal
 
@@ -409,137 +409,3 @@ def install_at_import() -> None:
         install_from_environment()
     except (SafeIOError, OSError) as exc:
         logger.error("%s: the audit sanitizer was not started: %s", who(), exc)
-
-
-# -- merging the ranks' records --------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class Conflict:
-    """``multiple-writers``: two processes wrote (truncated, renamed, removed) one path.
-    ``truncate-while-open``: a process truncated a path that another process opened."""
-
-    kind: str
-    path: str
-    processes: tuple[str, ...]
-    records: tuple[AuditRecord, ...]
-
-    def describe(self) -> str:
-        if self.kind == "multiple-writers":
-            return f"{self.path} is written by {len(self.processes)} processes: {', '.join(self.processes)}"
-        return f"{self.path} is truncated while other processes have it open: {', '.join(self.processes)}"
-
-    def to_dict(self) -> dict[str, Any]:
-        return {
-            "kind": self.kind,
-            "path": self.path,
-            "processes": list(self.processes),
-            "records": [r.to_dict() for r in self.records],
-        }
-
-
-@dataclass
-class AuditReport:
-    """The merged records of every process that wrote to one record directory."""
-
-    record_dir: str
-    records: list[AuditRecord] = field(default_factory=list)
-    conflicts: list[Conflict] = field(default_factory=list)
-    files: list[str] = field(default_factory=list)
-    unreadable_lines: int = 0  # a process killed mid-write leaves a partial last line
-
-    @property
-    def unsafe(self) -> list[AuditRecord]:
-        return [r for r in self.records if r.unsafe]
-
-    def to_dict(self) -> dict[str, Any]:
-        return {
-            "record_dir": self.record_dir,
-            "files": list(self.files),
-            "records": [r.to_dict() for r in self.records],
-            "unsafe": len(self.unsafe),
-            "conflicts": [c.to_dict() for c in self.conflicts],
-            "unreadable_lines": self.unreadable_lines,
-            "note": LIMIT_NOTE,
-        }
-
-
-def merge_reports(record_dir: str | os.PathLike[str]) -> AuditReport:
-    """Merge every ``audit-rank*.jsonl`` in ``record_dir`` and find the conflicts between processes."""
-    directory = os.path.abspath(os.fspath(record_dir))
-    report = AuditReport(directory)
-    names = sorted(
-        n for n in os.listdir(directory) if n.startswith(_RECORD_GLOB_PREFIX) and n.endswith(_RECORD_SUFFIX)
-    )
-    for name in names:
-        path = os.path.join(directory, name)
-        report.files.append(path)
-        with open(path, encoding="utf-8", errors="replace") as f:
-            for line in f:
-                if not line.strip():
-                    continue
-                try:
-                    report.records.append(AuditRecord.from_dict(json.loads(line)))
-                except (ValueError, KeyError, TypeError):
-                    report.unreadable_lines += 1
-    report.records.sort(key=lambda r: (r.time, r.rank if r.rank is not None else -1, r.pid))
-    report.conflicts = find_conflicts(report.records)
-    return report
-
-
-def _processes(records: Iterable[AuditRecord]) -> tuple[str, ...]:
-    by_label = {r.process: (r.rank if r.rank is not None else 1 << 62, r.process) for r in records}
-    return tuple(label for _key, label in sorted(by_label.values()))
-
-
-def find_conflicts(records: Iterable[AuditRecord]) -> list[Conflict]:
-    writes: dict[str, list[AuditRecord]] = {}
-    truncates: dict[str, list[AuditRecord]] = {}
-    opens: dict[str, list[AuditRecord]] = {}
-    for record in records:
-        if record.unsafe:
-            for path in record.paths():
-                writes.setdefault(path, []).append(record)
-        if record.op in TRUNCATING:
-            truncates.setdefault(record.path, []).append(record)
-        elif record.op == OPEN:
-            opens.setdefault(record.path, []).append(record)
-    conflicts: list[Conflict] = []
-    for path, recs in sorted(writes.items()):
-        if len({r.process for r in recs}) > 1:
-            conflicts.append(Conflict("multiple-writers", path, _processes(recs), tuple(recs)))
-    for path, truncs in sorted(truncates.items()):
-        truncators = {r.process for r in truncs}
-        readers = [r for r in opens.get(path, ()) if r.process not in truncators or len(truncators) > 1]
-        if readers:
-            involved = [*truncs, *readers]
-            conflicts.append(Conflict("truncate-while-open", path, _processes(involved), tuple(involved)))
-    return conflicts
-
-
-def format_report(report: AuditReport) -> str:
-    """A human-readable report: the conflicts first, then every unsafe write, then the tool's limit."""
-    unsafe = report.unsafe
-    processes = {r.process for r in report.records}
-    lines = [
-        f"safeio audit of {report.record_dir}: {len(report.files)} record files, {len(processes)} "
-        f"processes, {len(report.records)} records, {len(unsafe)} unsafe writes, "
-        f"{len(report.conflicts)} conflicts"
-    ]
-    if report.unreadable_lines:
-        lines.append(f"({report.unreadable_lines} unreadable lines skipped)")
-    if report.conflicts:
-        lines.append("")
-        lines.append("CONFLICTS")
-        for conflict in report.conflicts:
-            lines.append(f"  {conflict.kind}: {conflict.describe()}")
-            lines.extend(f"    {r.describe()}" for r in conflict.records)
-    if unsafe:
-        lines.append("")
-        lines.append("UNSAFE WRITES (outside a safeio stage)")
-        lines.extend(f"  {r.describe()}" for r in unsafe)
-    if not report.conflicts and not unsafe:
-        lines.append("no unsafe writes, no conflicts")
-    lines.append("")
-    lines.append(LIMIT_NOTE)
-    return "\n".join(lines)

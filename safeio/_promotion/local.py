@@ -19,7 +19,7 @@ from typing import Any
 from safeio._boundary import NOT_A_DIRECTORY, os_failure
 from safeio._errors import InvalidTargetError, TargetExistsError
 from safeio._options import SaveOptions
-from safeio._promotion.base import PhaseHook, Promotion
+from safeio._promotion.base import Promotion
 from safeio._storage import manifest
 from safeio._storage.fsops import normalize_permissions, remove_tree
 from safeio._storage.location import Location
@@ -39,17 +39,8 @@ Recovery = Callable[[str, str, bool], None]
 class LocalPromotion(Promotion):
     """Stage beside the target on its own filesystem and promote with rename(2)."""
 
-    def __init__(
-        self,
-        location: Location,
-        options: SaveOptions,
-        *,
-        rank: int,
-        call_id: str,
-        recover: Recovery,
-        on_phase: PhaseHook | None = None,
-    ) -> None:
-        super().__init__(location, options, rank=rank, call_id=call_id, on_phase=on_phase)
+    def __init__(self, location: Location, options: SaveOptions, *, recover: Recovery, **save: Any) -> None:
+        super().__init__(location, options, **save)  # rank, call_id, on_phase
         self._recover = recover
 
     @property

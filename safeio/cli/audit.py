@@ -37,7 +37,7 @@ def run_report(args: argparse.Namespace) -> int:
     record_dir = existing_directory(args.record_dir, what="DIR")
     try:
         # Imported here: the sanitizer is machinery the other commands never need.
-        audit = importlib.import_module("safeio._diagnostics.audit")
+        audit = importlib.import_module("safeio._diagnostics.audit_report")
     except ImportError as exc:
         raise CliError(f"the audit sanitizer is not available in this installation ({exc})") from None
     report = audit.merge_reports(record_dir)

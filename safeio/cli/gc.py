@@ -2,7 +2,7 @@
 
 Leftovers are recognised by name only (``safeio._storage.names``: stages, old versions renamed aside,
 temporary files and links, version directories; ``.<target>.safeio.lock`` markers), and judged by
-``safeio._promotion.leftovers.recover_directory``, the same code a writer runs before it promotes: a sibling whose
+``safeio._promotion.leftovers``, the same code a writer runs before it promotes: a sibling whose
 owner is alive on this host is never touched; one whose owner is gone is removed (or, for an old
 version whose target is missing, put back; for an interrupted merge, rolled forward); one owned by
 another host only with ``--older-than``. Silly-renamed ``.nfs*`` files inside a leftover go with it

@@ -1,0 +1,133 @@
+"""The package's layout is a contract: the public names, the layer order, and no import cycles."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import safeio
+
+PACKAGE = Path(safeio.__file__).parent
+
+# Lowest first; a module may import only from its own layer or the ones before it.
+LAYERS: list[tuple[str, ...]] = [
+    ("safeio._errors", "safeio._who"),
+    ("safeio._options",),
+    ("safeio._boundary",),
+    ("safeio._storage",),
+    ("safeio._promotion",),
+    ("safeio._coordination",),
+    ("safeio._diagnostics",),
+    ("safeio._saves",),
+    ("safeio", "safeio.__main__", "safeio.cli", "safeio.testing"),
+]
+
+
+def _module_name(path: Path) -> str:
+    parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _layer(module: str) -> int:
+    best = (-1, -1)  # (length of the matching prefix, layer)
+    for index, prefixes in enumerate(LAYERS):
+        for prefix in prefixes:
+            if (module == prefix or module.startswith(prefix + ".")) and len(prefix) > best[0]:
+                best = (len(prefix), index)
+    assert best[1] >= 0, f"{module} belongs to no layer: add it to LAYERS"
+    return best[1]
+
+
+def _imports(path: Path) -> set[str]:
+    """safeio modules imported at module level (imports inside functions are lazy by design)."""
+    found: set[str] = set()
+    for node in ast.parse(path.read_text()).body:
+        if isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names if alias.name.startswith("safeio"))
+        elif isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("safeio"):
+            for alias in node.names:
+                candidate = f"{node.module}.{alias.name}"
+                is_module = (PACKAGE.parent / (candidate.replace(".", "/") + ".py")).exists() or (
+                    PACKAGE.parent / candidate.replace(".", "/")
+                ).is_dir()
+                found.add(candidate if is_module else node.module)
+    return found
+
+
+def _graph() -> dict[str, set[str]]:
+    return {_module_name(p): _imports(p) for p in PACKAGE.rglob("*.py") if "testing" not in p.parts}
+
+
+def test_public_names_are_pinned() -> None:
+    assert safeio.__all__ == [
+        "CollectiveInWriterSection",
+        "Group",
+        "InvalidOptionError",
+        "InvalidTargetError",
+        "LockTimeout",
+        "PeerTimeout",
+        "PromotionError",
+        "RemoteWriterError",
+        "SafeIOError",
+        "Stage",
+        "TargetExistsError",
+        "UnsafeWriteError",
+        "UnsupportedSaveError",
+        "__version__",
+        "atomic_open",
+        "audit",
+        "current_group",
+        "is_complete",
+        "patch_save_pretrained",
+        "replicated",
+        "save_pretrained",
+        "snapshot",
+        "torch_save",
+        "verify",
+        "writer_only_section",
+    ]
+
+
+def test_only_the_documented_modules_look_public() -> None:
+    public = sorted(
+        p.name for p in PACKAGE.iterdir() if not p.name.startswith(("_", ".")) and p.name != "py.typed"
+    )
+    assert public == ["cli", "testing"]
+
+
+def test_lower_layers_never_import_upper_ones() -> None:
+    upward = [
+        f"{module} (layer {_layer(module)}) imports {imported} (layer {_layer(imported)})"
+        for module, imports in _graph().items()
+        for imported in imports
+        if _layer(imported) > _layer(module) and not module.startswith(("safeio.cli", "safeio.testing"))
+    ]
+    assert upward == []
+
+
+def test_no_import_cycles() -> None:
+    graph = _graph()
+    state: dict[str, int] = {}  # 1: on the current path, 2: done
+    cycles: list[list[str]] = []
+
+    def visit(module: str, path: list[str]) -> None:
+        state[module] = 1
+        for imported in sorted(graph.get(module, ())):
+            if imported == module or imported not in graph:
+                continue
+            if state.get(imported) == 1:
+                cycles.append([*path[path.index(imported) :], imported] if imported in path else [imported])
+            elif imported not in state:
+                visit(imported, [*path, imported])
+        state[module] = 2
+
+    for module in sorted(graph):
+        if module not in state:
+            visit(module, [module])
+    assert cycles == []
+
+
+def test_the_layer_check_can_fail() -> None:
+    # The checks above are only worth something if they see imports: a known edge must be found.
+    assert "safeio._promotion.base" in _graph()["safeio._promotion.local"]
+    assert _layer("safeio._saves.replicated") > _layer("safeio._promotion.resolver")

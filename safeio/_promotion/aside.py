@@ -23,6 +23,10 @@ logger = logging.getLogger("safeio")
 
 
 class RenameAside(LocalPromotion):
+    def check_target(self) -> None:
+        super().check_target()
+        self.refuse_protected_directories()
+
     def _replace_existing(self, stage: str, entries: dict[str, dict[str, Any]]) -> None:
         self.write_manifest(stage, entries, None)
         self._swap(stage)

@@ -10,6 +10,7 @@ renamed into place; what happens to an existing one is the behaviour's (``_repla
 from __future__ import annotations
 
 import contextlib
+import errno
 import logging
 import os
 from abc import abstractmethod
@@ -17,14 +18,14 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from safeio._boundary import NOT_A_DIRECTORY, os_failure
-from safeio._errors import InvalidTargetError, TargetExistsError
+from safeio._errors import InvalidTargetError, PromotionError, TargetExistsError
 from safeio._options import SaveOptions
 from safeio._promotion.base import Promotion
 from safeio._storage import manifest
 from safeio._storage.fsops import normalize_permissions, remove_tree
 from safeio._storage.location import Location
 from safeio._storage.locking import held, lock_path_for, make_lock
-from safeio._storage.names import sibling_name
+from safeio._storage.names import NAME_MAX, sibling_name
 from safeio._storage.posix import fsync_path, fsync_tree
 from safeio._storage.readers import is_version_link
 from safeio._who import who
@@ -74,6 +75,15 @@ class LocalPromotion(Promotion):
 
     def open_stage(self) -> str:
         self.check_target()
+        size = len(self.name.encode("utf-8", "surrogateescape"))
+        if size > NAME_MAX:
+            # Refused before the body runs: the final rename would fail after all the work.
+            raise PromotionError(
+                f"cannot save {self.target}: its name is {size} bytes, over the {NAME_MAX}-byte limit of "
+                "a file name",
+                self.target,
+                errno=errno.ENAMETOOLONG,
+            )
         parent = self.parent
         try:
             os.makedirs(parent, exist_ok=True)
@@ -139,6 +149,28 @@ class LocalPromotion(Promotion):
 
     # -- shared by local behaviours ------------------------------------------------------------------
 
+    def refuse_protected_directories(self) -> None:
+        """Behaviours that remove the old version refuse a target that holds the process's own ground.
+
+        ``replicated(".")`` in replace mode would otherwise empty the working directory it runs in.
+        """
+        target = self.target
+        candidates = {target, os.path.realpath(target)}
+        for what, path in (
+            ("the working directory", _cwd()),
+            ("the home directory", os.path.expanduser("~")),
+        ):
+            if (
+                path
+                and path != "/"
+                and any(path == t or path.startswith(t.rstrip("/") + "/") for t in candidates)
+            ):
+                raise InvalidTargetError(
+                    f"refusing mode={self.options.mode!r} for {target}: it is or contains {what} {path}, "
+                    "which replacing it would delete (save into a subdirectory, or use mode='merge')",
+                    target,
+                )
+
     def write_manifest(self, stage: str, entries: dict[str, dict[str, Any]], previous: str | None) -> None:
         """Write the manifest into ``stage`` last; ``previous`` (a directory) keeps other objects' entries."""
         if not self.options.manifest:
@@ -163,3 +195,10 @@ class LocalPromotion(Promotion):
                 path,
                 exc.strerror or exc,
             )
+
+
+def _cwd() -> str | None:
+    try:
+        return os.getcwd()
+    except OSError:  # the working directory was removed
+        return None

@@ -27,6 +27,10 @@ KEEP_VERSIONS = 2
 
 
 class Versioned(LocalPromotion):
+    def check_target(self) -> None:
+        super().check_target()
+        self.refuse_protected_directories()
+
     def _promote(self, stage: str, entries: dict[str, dict[str, Any]]) -> None:
         target, parent, name = self.target, self.parent, self.name
         merge = self.options.mode == "merge"

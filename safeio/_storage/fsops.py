@@ -24,7 +24,8 @@ def normalize_permissions(root: str) -> None:
 
     The stage is created by safeio, but tools write into it with their own modes (safetensors writes
     weights 0600 through mkstemp); a replicated checkpoint must be readable by whoever could read a
-    checkpoint written without safeio.
+    checkpoint written without safeio. A directory keeps its setgid bit, which mkdir inherits in a
+    setgid project share: clearing it would make later writes there (DCP shards) lose the group.
     """
     umask = current_umask()
     dir_mode, file_mode = 0o777 & ~umask, 0o666 & ~umask
@@ -37,11 +38,17 @@ def normalize_permissions(root: str) -> None:
                 if stat.S_IMODE(st.st_mode) != wanted:
                     os.chmod(full, wanted)
         for name in dirnames:
-            full = os.path.join(dirpath, name)
-            if not os.path.islink(full) and stat.S_IMODE(os.lstat(full).st_mode) != dir_mode:
-                os.chmod(full, dir_mode)
-    if stat.S_IMODE(os.lstat(root).st_mode) != dir_mode:
-        os.chmod(root, dir_mode)
+            _chmod_directory(os.path.join(dirpath, name), dir_mode)
+    _chmod_directory(root, dir_mode)
+
+
+def _chmod_directory(path: str, mode: int) -> None:
+    st = os.lstat(path)
+    if not stat.S_ISDIR(st.st_mode):
+        return  # a symlink the body wrote stays a link; chmod would follow it
+    wanted = mode | (st.st_mode & stat.S_ISGID)
+    if stat.S_IMODE(st.st_mode) != wanted:
+        os.chmod(path, wanted)
 
 
 def remove_tree(path: str, *, what: str = "leftover") -> bool:

@@ -18,7 +18,7 @@ from collections.abc import Iterator
 
 import filelock
 
-from safeio._boundary import lock_not_acquired
+from safeio._boundary import lock_not_acquired, os_failure
 from safeio._options import LockSetting, lease_seconds
 from safeio._storage.mounts import is_network_path
 from safeio._storage.names import lock_name
@@ -87,6 +87,10 @@ def held(lock: filelock.BaseFileLock | None, target: str, rank: int) -> Iterator
     except filelock.Timeout as exc:
         holder = getattr(exc, "_holder", None) or _describe_holder(lock)
         raise lock_not_acquired(lock.lock_file, target, rank, lock.timeout, holder) from exc
+    except OSError as exc:  # the lock file itself: not writable, a directory, a FIFO...
+        raise os_failure(
+            f"cannot take the promotion lock {lock.lock_file} for {target}", lock.lock_file, exc
+        ) from exc
     acquired = time.monotonic()
     logger.debug("%s: lock %s acquired in %.1f ms", who(rank), lock.lock_file, (acquired - started) * 1e3)
     try:

@@ -18,9 +18,9 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from safeio._promotion.leftovers import recover_directory
+from safeio._promotion.leftovers import recover_directory, staleness
 from safeio._promotion.recovery import Action
-from safeio._storage.names import LOCK_SUFFIX, Sibling, parse, pid_alive
+from safeio._storage.names import LOCK_SUFFIX, parse, pid_alive
 from safeio.cli._common import (
     EXIT_OK,
     EXIT_PROBLEMS,
@@ -141,7 +141,7 @@ def _collect(
         path = os.path.join(directory, name)
         sibling = parse(name)
         if sibling is not None and path not in acted and os.path.lexists(path):
-            report.kept.append({"path": path, "reason": _why_kept(sibling, path, older_than, now)})
+            report.kept.append({"path": path, "reason": staleness(sibling, path, older_than, now)[1]})
         elif sibling is None and _is_lock_name(name):
             _collect_lock(path, report, older_than, dry_run, now)
 
@@ -154,23 +154,6 @@ def _action_dict(action: Action, dry_run: bool) -> dict[str, Any]:
         "size": action.size,
         "done": not dry_run,
     }
-
-
-def _why_kept(sibling: Sibling, path: str, older_than: float | None, now: float) -> str:
-    if sibling.kind == "v":
-        return "version directory in use, among the newest, or within its grace period"
-    alive = sibling.owner_is_alive()
-    if alive:
-        return f"owner pid {sibling.pid} is alive"
-    if alive is None and older_than is None:
-        return "owner on another host (pass --older-than to remove leftovers of other hosts)"
-    try:
-        age = now - os.lstat(path).st_mtime
-    except OSError:
-        age = 0.0
-    if older_than is not None and age < older_than:
-        return f"{age:.0f} s old, younger than --older-than"
-    return "not removable"
 
 
 # ---------------------------------------------------------------------------------------------------

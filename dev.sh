@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The README's Quick start: `./dev.sh demo` runs the main job, `./dev.sh test` runs the whole suite.
 # Both create (once) and reuse a project-local virtual environment in .venv; nothing needs to be
-# installed by hand first on a Debian/Ubuntu machine with Python 3.10+.
+# installed by hand first on a Debian/Ubuntu machine with Python 3.11+.
 set -euo pipefail
 cd "$(dirname "$0")"
 VENV=.venv

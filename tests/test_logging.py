@@ -47,7 +47,7 @@ def test_a_save_logs_its_lifecycle_at_debug(shared_dir: Path, caplog: pytest.Log
 def test_refused_rename_exchange_is_a_warning(
     shared_dir: Path, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    def refuse(*args: Any) -> None:
+    def refuse(*args: Any, **kwargs: Any) -> None:
         raise OSError(errno.EINVAL, "Invalid argument")  # as NFS and FUSE answer RENAME_EXCHANGE
 
     monkeypatch.setattr(safeio._promotion.exchange, "renameat2", refuse)

@@ -51,8 +51,8 @@ def test_replace_fallback_without_rename_exchange(tmp_path: Path, monkeypatch: p
     seen: list[list[str]] = []
     real_rename = os.rename
 
-    def observing_rename(src: str, dst: str) -> None:
-        real_rename(src, dst)
+    def observing_rename(src: str, dst: str, **dir_fds: int) -> None:
+        real_rename(src, dst, **dir_fds)
         seen.append(listing(tmp_path))
 
     monkeypatch.setattr(os, "rename", observing_rename)
@@ -73,10 +73,10 @@ def test_replace_fallback_puts_the_old_version_back_if_the_new_cannot_go_in(
     save(target, {"a.json": "old"})
     real_rename = os.rename
 
-    def failing_second_rename(src: str, dst: str) -> None:
+    def failing_second_rename(src: str, dst: str, **dir_fds: int) -> None:
         if ".safeio-stage-" in os.path.basename(src):
             raise OSError(5, "Input/output error")
-        real_rename(src, dst)
+        real_rename(src, dst, **dir_fds)
 
     monkeypatch.setattr(os, "rename", failing_second_rename)
     with pytest.raises(safeio.PromotionError, match="Input/output error") as info:

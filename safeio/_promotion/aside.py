@@ -14,9 +14,9 @@ from typing import Any
 
 from safeio._promotion.local import LocalPromotion
 from safeio._promotion.recovery import Action, Leftover
-from safeio._storage.fsops import remove_tree
+from safeio._storage.dirfd import lstat_at
+from safeio._storage.fsops import remove_at
 from safeio._storage.names import sibling_name, truncated_base
-from safeio._storage.posix import fsync_path
 from safeio._who import who
 
 logger = logging.getLogger("safeio")
@@ -28,35 +28,37 @@ class RenameAside(LocalPromotion):
         self.refuse_protected_directories()
 
     def _replace_existing(self, stage: str, entries: dict[str, dict[str, Any]]) -> None:
-        self.write_manifest(stage, entries, None)
-        self._swap(stage)
+        self.write_manifest(entries, None)
+        self._swap()
 
-    def _swap(self, stage: str) -> None:
-        """Put ``stage`` in the target's place; the old version is removed afterwards."""
-        target = self.target
-        aside = os.path.join(self.parent, sibling_name(self.name, "old"))
-        os.rename(target, aside)
+    def _swap(self) -> None:
+        """Put the stage in the target's place; the old version is removed afterwards."""
+        fd, name = self.parent_fd, self.name
+        aside = sibling_name(name, "old")
+        os.rename(name, aside, src_dir_fd=fd, dst_dir_fd=fd)
         try:
-            os.rename(stage, target)
+            os.rename(self.stage_name, name, src_dir_fd=fd, dst_dir_fd=fd)
         except BaseException:
-            os.rename(aside, target)  # put the old version back before reporting the failure
+            os.rename(aside, name, src_dir_fd=fd, dst_dir_fd=fd)  # put the old version back first
             raise
         if self.options.durable:
-            fsync_path(self.parent, directory=True)
+            os.fsync(fd)
         self.remove_old_version(aside)
 
     @staticmethod
     def recover(leftover: Leftover, target_name: str | None, *, dry_run: bool, durable: bool) -> Action:
         """An old version left aside: put back if its target is missing, else removed."""
         size = leftover.size
-        target = _target_of(leftover, target_name)
-        if target is None:
+        name = _target_of(leftover, target_name)
+        if name is None:
             return Action("skip", leftover.path, "old version of a target whose long name was truncated")
-        if not os.path.lexists(target):
+        fd = leftover.parent_fd
+        target = os.path.join(leftover.parent, name)
+        if lstat_at(fd, name) is None:
             if not dry_run:
-                os.rename(leftover.path, target)
+                os.rename(leftover.name, name, src_dir_fd=fd, dst_dir_fd=fd)
                 if durable:
-                    fsync_path(leftover.parent, directory=True)
+                    os.fsync(fd)
                 logger.warning(
                     "%s: restored the previous version of %s from %s (%s)",
                     who(),
@@ -64,18 +66,17 @@ class RenameAside(LocalPromotion):
                     leftover.path,
                     leftover.reason,
                 )
-            return Action(
-                "restore", leftover.path, f"the target {target} was missing; {leftover.reason}", size
-            )
+            reason = f"the target {target} was missing; {leftover.reason}"
+            return Action("restore", leftover.path, reason, size)
         if not dry_run:
-            remove_tree(leftover.path, what="stale old")
+            remove_at(fd, leftover.name, what="stale old", shown=leftover.path)
         return Action("remove", leftover.path, leftover.reason, size)
 
 
 def _target_of(leftover: Leftover, target_name: str | None) -> str | None:
     if target_name is not None:
-        return os.path.join(leftover.parent, target_name)
+        return target_name
     base = leftover.sibling.base
-    if truncated_base(base) == base and len(base.encode()) < 200:
-        return os.path.join(leftover.parent, base)
+    if truncated_base(base) == base and len(base.encode("utf-8", "surrogateescape")) < 200:
+        return base
     return None  # the name was truncated: the target cannot be told from it

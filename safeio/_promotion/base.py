@@ -84,12 +84,9 @@ class Promotion(ABC):
 
     # -- hooks -------------------------------------------------------------------------------------
 
+    @abstractmethod
     def _prepare(self, stage: str) -> dict[str, dict[str, Any]]:
-        """The manifest entries of the stage's files (none when the manifest is off)."""
-        if not self.options.manifest:
-            return {}
-        # Hashes only when durable: see safeio._storage.manifest for the cost.
-        return manifest.describe_files(stage, hashes=self.options.durable)
+        """Check the stage and return the manifest entries of its files (none when the manifest is off)."""
 
     def _sync(self, stage: str) -> None:  # noqa: B027 - an optional hook: no-op unless a behaviour needs it
         """Make the stage durable before it is promoted (nothing by default)."""

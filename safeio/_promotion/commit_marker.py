@@ -21,6 +21,7 @@ from safeio._boundary import mapped
 from safeio._errors import InvalidTargetError, TargetExistsError
 from safeio._promotion.base import Promotion
 from safeio._storage import manifest
+from safeio._storage.dirfd import held_directory
 from safeio._storage.readers import ObjectStoreReader
 from safeio._who import who
 
@@ -57,7 +58,8 @@ class CommitMarker(Promotion):
 
     def _prepare(self, stage: str) -> dict[str, dict[str, Any]]:
         # The manifest is the commit marker: always written, whatever the manifest option says.
-        return manifest.describe_files(stage, hashes=self.options.durable)
+        with held_directory(stage) as stage_fd:  # our own private directory on node-local disk
+            return manifest.describe_files(stage_fd, hashes=self.options.durable)
 
     def _promote(self, stage: str, entries: dict[str, dict[str, Any]]) -> None:
         try:

@@ -19,13 +19,14 @@ logger = logging.getLogger("safeio")
 
 
 class Exchange(RenameAside):
-    def _swap(self, stage: str) -> None:
-        device = os.stat(self.parent).st_dev
+    def _swap(self) -> None:
+        device = os.fstat(self.parent_fd).st_dev
         if capabilities.exchange_refused(device):
-            super()._swap(stage)
+            super()._swap()
             return
+        fd = self.parent_fd
         try:
-            renameat2(stage, self.target, RENAME_EXCHANGE)
+            renameat2(self.stage_name, self.name, RENAME_EXCHANGE, src_dir_fd=fd, dst_dir_fd=fd)
         except OSError as exc:
             if exc.errno not in EXCHANGE_UNSUPPORTED:
                 raise
@@ -38,6 +39,6 @@ class Exchange(RenameAside):
                 self.target,
                 exc.strerror,
             )
-            super()._swap(stage)
+            super()._swap()
             return
-        self.remove_old_version(stage)  # the stage's name now holds the old version
+        self.remove_old_version(self.stage_name)  # the stage's name now holds the old version

@@ -7,6 +7,7 @@ whose owner may be alive. Each behaviour holds its own recovery:
 - an old version renamed aside: ``RenameAside.recover`` puts it back if the target is missing;
 - version directories: ``versioned.prune`` once no link points at them and they are past the grace;
 - anything else (a stage without intent, a temporary file or link): removed.
+Everything is relative to the held parent directory: nothing here follows a link someone planted.
 """
 
 from __future__ import annotations
@@ -19,14 +20,17 @@ from safeio._promotion.aside import RenameAside
 from safeio._promotion.merge import Merge
 from safeio._promotion.recovery import Action, Leftover
 from safeio._promotion.versioned import prune, versioned_targets
-from safeio._storage.fsops import remove_tree
+from safeio._storage.dirfd import held_directory, lstat_at
+from safeio._storage.fsops import remove_at
 from safeio._storage.names import Sibling, host_tag, parse
 
 # Merges first (they complete targets), then asides (they restore missing ones), then the rest.
 _ORDER = {"stage": 0, "old": 1}
 
 
-def staleness(sibling: Sibling, path: str, older_than: float | None, now: float) -> tuple[bool, str]:
+def staleness(
+    sibling: Sibling, parent: str, parent_fd: int | None, older_than: float | None, now: float
+) -> tuple[bool, str]:
     """Whether a sibling may be recovered now, and why (or why not)."""
     if sibling.kind == "v":
         return False, "version directory in use, among the newest, or within its grace period"
@@ -34,15 +38,15 @@ def staleness(sibling: Sibling, path: str, older_than: float | None, now: float)
     if alive and sibling.pid == os.getpid() and sibling.host == host_tag():
         # Our own: stale unless a save in this process is using it right now (an aside left behind by
         # an earlier save because NFS silly-renamed files kept it, say).
-        if active.is_active_stage(path):
+        if active.is_active_stage(os.path.join(parent, sibling.name)):
             return False, "a save in this process is using it"
         alive = False
     if alive:
         return False, f"owner pid {sibling.pid} is alive"
-    try:
-        age = now - os.lstat(path).st_mtime
-    except OSError:
+    st = lstat_at(parent_fd, sibling.name) if parent_fd is not None else _lstat(parent, sibling.name)
+    if st is None:
         return False, "vanished"
+    age = now - st.st_mtime
     if older_than is not None and age < older_than:
         return False, f"{age:.0f} s old, younger than {older_than:g} s"
     if alive is None:
@@ -52,39 +56,59 @@ def staleness(sibling: Sibling, path: str, older_than: float | None, now: float)
     return True, f"owner pid {sibling.pid} is gone"
 
 
+def _lstat(parent: str, name: str) -> os.stat_result | None:
+    try:
+        return os.lstat(os.path.join(parent, name))
+    except OSError:
+        return None
+
+
 def recover_directory(
     parent: str,
     *,
+    parent_fd: int | None = None,
     target_name: str | None = None,
     older_than: float | None = None,
     dry_run: bool = False,
     durable: bool = True,
 ) -> list[Action]:
-    """Recover every stale safeio sibling in ``parent`` (only ``target_name``'s, if given)."""
-    try:
-        names = sorted(os.listdir(parent))
-    except FileNotFoundError:
-        return []
+    """Recover every stale safeio sibling in ``parent`` (only ``target_name``'s, if given).
+
+    ``parent_fd``, if given, is ``parent`` held open; otherwise ``parent`` is opened here.
+    """
+    if parent_fd is None:
+        try:
+            with held_directory(parent, follow=True) as fd:
+                return recover_directory(
+                    parent,
+                    parent_fd=fd,
+                    target_name=target_name,
+                    older_than=older_than,
+                    dry_run=dry_run,
+                    durable=durable,
+                )
+        except FileNotFoundError:
+            return []
     now = time.time()
-    candidates = (parse(name) for name in names if ".safeio-" in name)
-    siblings = [(s, os.path.join(parent, s.name)) for s in candidates if s is not None and s.kind != "v"]
+    candidates = (parse(name) for name in sorted(os.listdir(parent_fd)) if ".safeio-" in name)
+    siblings = [s for s in candidates if s is not None and s.kind != "v"]
     if target_name is not None:
-        siblings = [(s, p) for s, p in siblings if s.belongs_to(target_name)]
-    siblings.sort(key=lambda sp: _ORDER.get(sp[0].kind, 2))
+        siblings = [s for s in siblings if s.belongs_to(target_name)]
+    siblings.sort(key=lambda s: _ORDER.get(s.kind, 2))
     actions: list[Action] = []
-    for sibling, path in siblings:
-        stale, reason = staleness(sibling, path, older_than, now)
+    for sibling in siblings:
+        stale, reason = staleness(sibling, parent, parent_fd, older_than, now)
         if stale:
-            leftover = Leftover(sibling, path, parent, reason)
+            leftover = Leftover(sibling, parent, parent_fd, reason)
             actions.append(_recover_one(leftover, target_name, dry_run=dry_run, durable=durable))
-    for versioned in versioned_targets(parent, target_name):
-        actions.extend(prune(parent, versioned, dry_run=dry_run, now=now))
+    for versioned in versioned_targets(parent_fd, target_name):
+        actions.extend(prune(parent, parent_fd, versioned, dry_run=dry_run, now=now))
     return actions
 
 
-def recover_target(parent: str, target_name: str, durable: bool) -> None:
+def recover_target(parent: str, parent_fd: int, target_name: str, durable: bool) -> None:
     """The writer's step before it promotes: put right what dead writers of this target left."""
-    recover_directory(parent, target_name=target_name, durable=durable)
+    recover_directory(parent, parent_fd=parent_fd, target_name=target_name, durable=durable)
 
 
 def _recover_one(leftover: Leftover, target_name: str | None, *, dry_run: bool, durable: bool) -> Action:
@@ -97,5 +121,5 @@ def _recover_one(leftover: Leftover, target_name: str | None, *, dry_run: bool, 
         return RenameAside.recover(leftover, target_name, dry_run=dry_run, durable=durable)
     size = leftover.size
     if not dry_run:
-        remove_tree(leftover.path, what=f"stale {kind}")
+        remove_at(leftover.parent_fd, leftover.name, what=f"stale {kind}", shown=leftover.path)
     return Action("remove", leftover.path, leftover.reason, size)

@@ -5,6 +5,11 @@ The stage is a hidden sibling of the target, on the same filesystem, so that pro
 target keeps rival writer *jobs* from promoting at the same time; under it, leftovers of dead writers of
 the same target are put right before this save promotes. A target that does not exist yet is simply
 renamed into place; what happens to an existing one is the behaviour's (``_replace_existing``).
+
+The parent is usually a share other users can write, so it is held open from the stage's creation and
+every step is relative to it (``safeio._storage.dirfd``): names, never paths through links. The stage is
+held open too, and checked to still be the directory this process made before each phase: a stage swapped
+for a symlink while the body ran is refused, never chmodded, synced, read or promoted.
 """
 
 from __future__ import annotations
@@ -13,6 +18,7 @@ import contextlib
 import errno
 import logging
 import os
+import stat
 from abc import abstractmethod
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -22,19 +28,21 @@ from safeio._errors import InvalidTargetError, PromotionError, TargetExistsError
 from safeio._options import SaveOptions
 from safeio._promotion.base import Promotion
 from safeio._storage import manifest
-from safeio._storage.fsops import normalize_permissions, remove_tree
+from safeio._storage.dirfd import fsync_fd_tree, held_directory, identity, lstat_at, open_directory
+from safeio._storage.fsops import normalize_permissions, remove_at
 from safeio._storage.location import Location
 from safeio._storage.locking import held, lock_path_for, make_lock
+from safeio._storage.metadata import Damaged, load_manifest
 from safeio._storage.names import NAME_MAX, sibling_name
-from safeio._storage.posix import fsync_path, fsync_tree
-from safeio._storage.readers import is_version_link
+from safeio._storage.readers import version_pointee
 from safeio._who import who
 
 logger = logging.getLogger("safeio")
 
-# recover(parent, target_name, durable): puts right what dead writers of the target left. Injected by the
-# resolver, because recovery dispatches to every behaviour and behaviours must not import each other.
-Recovery = Callable[[str, str, bool], None]
+# recover(parent, parent_fd, target_name, durable): puts right what dead writers of the target left.
+# Injected by the resolver, because recovery dispatches to every behaviour and behaviours must not import
+# each other.
+Recovery = Callable[[str, int, str, bool], None]
 
 
 class LocalPromotion(Promotion):
@@ -43,6 +51,10 @@ class LocalPromotion(Promotion):
     def __init__(self, location: Location, options: SaveOptions, *, recover: Recovery, **save: Any) -> None:
         super().__init__(location, options, **save)  # rank, call_id, on_phase
         self._recover = recover
+        self.parent_fd = -1
+        self.stage_fd = -1
+        self.stage_name = ""
+        self._stage_id: tuple[int, int] | None = None
 
     @property
     def target(self) -> str:
@@ -56,25 +68,45 @@ class LocalPromotion(Promotion):
     def name(self) -> str:
         return self.location.name
 
+    # -- the target --------------------------------------------------------------------------------
+
+    def _target_stat(self) -> os.stat_result | None:
+        if self.parent_fd >= 0:
+            return lstat_at(self.parent_fd, self.name)
+        try:
+            return os.lstat(self.target)
+        except FileNotFoundError:
+            return None
+        except OSError as exc:  # ENOTDIR: a component of the parent is a file
+            raise os_failure(
+                f"cannot look at {self.target}", self.target, exc, invalid=NOT_A_DIRECTORY
+            ) from exc
+
     def check_target(self) -> None:
         target = self.target
-        if os.path.islink(target) and not is_version_link(target):
+        st = self._target_stat()
+        if st is None:
+            return
+        dir_fd = self.parent_fd if self.parent_fd >= 0 else None
+        shown = self.name if dir_fd is not None else target
+        if stat.S_ISLNK(st.st_mode) and version_pointee(shown, dir_fd=dir_fd) is None:
             raise InvalidTargetError(
                 f"target {target} is a symlink safeio did not create; safeio never writes through or "
                 "replaces a foreign symlink (resolve it yourself and pass the real path)",
                 target,
             )
-        if os.path.lexists(target) and not os.path.isdir(target):
+        if not stat.S_ISLNK(st.st_mode) and not stat.S_ISDIR(st.st_mode):
             raise InvalidTargetError(
                 f"target {target} exists and is not a directory: a replicated target is a directory "
                 "(use safeio.atomic_open for a single file)",
                 target,
             )
-        if self.options.mode == "error" and os.path.lexists(target):
+        if self.options.mode == "error":
             raise TargetExistsError(f"target {target} already exists and mode='error'", target)
 
+    # -- the stage ---------------------------------------------------------------------------------
+
     def open_stage(self) -> str:
-        self.check_target()
         size = len(self.name.encode("utf-8", "surrogateescape"))
         if size > NAME_MAX:
             # Refused before the body runs: the final rename would fail after all the work.
@@ -84,9 +116,12 @@ class LocalPromotion(Promotion):
                 self.target,
                 errno=errno.ENAMETOOLONG,
             )
+        self.check_target()
         parent = self.parent
         try:
             os.makedirs(parent, exist_ok=True)
+            # The parent is the caller's path (trusted, links included); below it nothing is followed.
+            self.parent_fd = os.open(parent, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
         except OSError as exc:
             if exc.errno in NOT_A_DIRECTORY:
                 raise InvalidTargetError(
@@ -95,32 +130,70 @@ class LocalPromotion(Promotion):
                     parent,
                 ) from exc
             raise os_failure(f"cannot create the parent directory {parent}", parent, exc) from exc
-        stage = os.path.join(parent, sibling_name(self.name, "stage"))
+        self.stage_name = sibling_name(self.name, "stage")
         try:
-            os.mkdir(stage, 0o777)  # the umask applies, as for any mkdir (mkdtemp would force 0700)
+            # The umask applies, as for any mkdir (mkdtemp would force 0700); a setgid parent's group too.
+            os.mkdir(self.stage_name, 0o777, dir_fd=self.parent_fd)
+            self.stage_fd = open_directory(self.stage_name, dir_fd=self.parent_fd)
+            self._stage_id = identity(os.fstat(self.stage_fd))
         except OSError as exc:
+            self.close()
             raise os_failure(
                 f"cannot create a stage for {self.target} in {parent}",
                 self.target,
                 exc,
                 invalid=NOT_A_DIRECTORY,
             ) from exc
+        stage = os.path.join(parent, self.stage_name)
         logger.debug("%s: stage %s created for %s", who(self.rank), stage, self.target)
         return stage
 
+    def check_stage(self) -> None:
+        """The stage is still the directory this process made (not renamed away or swapped for a link)."""
+        st = lstat_at(self.parent_fd, self.stage_name)
+        if st is None or identity(st) != self._stage_id:
+            raise PromotionError(
+                f"the stage {os.path.join(self.parent, self.stage_name)} of {self.target} was moved or "
+                "replaced by someone else while the save ran; nothing was promoted and nothing it now "
+                "points to was touched",
+                self.target,
+            )
+
+    def close(self) -> None:
+        for attribute in ("stage_fd", "parent_fd"):
+            fd = getattr(self, attribute)
+            if fd >= 0:
+                setattr(self, attribute, -1)
+                with contextlib.suppress(OSError):
+                    os.close(fd)
+
     def discard(self, stage: str) -> None:
-        remove_tree(stage, what="failed stage")
+        try:
+            if self.parent_fd >= 0 and self.stage_name:
+                st = lstat_at(self.parent_fd, self.stage_name)
+                if st is not None and identity(st) == self._stage_id:
+                    remove_at(self.parent_fd, self.stage_name, what="failed stage", shown=stage)
+        finally:
+            self.close()
+
+    def finish(self, stage: str) -> None:
+        super().finish(stage)
+        self.close()
 
     # -- hooks of the flow -------------------------------------------------------------------------
 
     def _prepare(self, stage: str) -> dict[str, dict[str, Any]]:
+        self.check_stage()
         # Tools write with their own modes (safetensors writes weights 0600 through mkstemp).
-        normalize_permissions(stage)
-        return super()._prepare(stage)
+        normalize_permissions(self.stage_fd)
+        if not self.options.manifest:
+            return {}
+        # Hashes only when durable: see safeio._storage.manifest for the cost.
+        return manifest.describe_files(self.stage_fd, hashes=self.options.durable)
 
     def _sync(self, stage: str) -> None:
         if self.options.durable:
-            fsync_tree(stage)
+            fsync_fd_tree(self.stage_fd)
 
     @contextlib.contextmanager
     def _locked(self) -> Iterator[None]:
@@ -130,22 +203,23 @@ class LocalPromotion(Promotion):
 
     def _before_promote(self) -> None:
         self.check_target()  # a rival job may have changed it while our body ran
-        self._recover(self.parent, self.name, self.options.durable)
+        self.check_stage()
+        self._recover(self.parent, self.parent_fd, self.name, self.options.durable)
 
     def _promote(self, stage: str, entries: dict[str, dict[str, Any]]) -> None:
-        if os.path.lexists(self.target):
+        if lstat_at(self.parent_fd, self.name) is not None:
             self._replace_existing(stage, entries)
             return
-        self.write_manifest(stage, entries, None)
-        os.rename(stage, self.target)
+        self.write_manifest(entries, None)
+        os.rename(self.stage_name, self.name, src_dir_fd=self.parent_fd, dst_dir_fd=self.parent_fd)
 
     def _after_promote(self) -> None:
         if self.options.durable:
-            fsync_path(self.parent, directory=True)
+            os.fsync(self.parent_fd)
 
     @abstractmethod
     def _replace_existing(self, stage: str, entries: dict[str, dict[str, Any]]) -> None:
-        """Promote ``stage`` over a target that exists (a directory safeio may replace)."""
+        """Promote the stage over a target that exists (a directory safeio may replace)."""
 
     # -- shared by local behaviours ------------------------------------------------------------------
 
@@ -171,28 +245,43 @@ class LocalPromotion(Promotion):
                     target,
                 )
 
-    def write_manifest(self, stage: str, entries: dict[str, dict[str, Any]], previous: str | None) -> None:
-        """Write the manifest into ``stage`` last; ``previous`` (a directory) keeps other objects' entries."""
+    def write_manifest(self, entries: dict[str, dict[str, Any]], previous_fd: int | None) -> None:
+        """Write the manifest into the stage last; ``previous_fd`` (merge) keeps other objects' entries."""
         if not self.options.manifest:
             return
-        old = manifest.read(previous) if previous is not None else None
-        manifest.write(stage, self.manifest_record(entries, old), durable=self.options.durable)
+        old = load_manifest(previous_fd, manifest.MANIFEST_NAME) if previous_fd is not None else None
+        if isinstance(old, Damaged):
+            logger.warning(
+                "%s: the manifest of %s is damaged (%s); the new one lists only this save's files",
+                who(self.rank),
+                self.target,
+                old.reason,
+            )
+            old = None
+        manifest.write(self.stage_fd, self.manifest_record(entries, old), durable=self.options.durable)
 
-    def remove_old_version(self, path: str) -> None:
+    @contextlib.contextmanager
+    def target_directory(self) -> Iterator[int]:
+        """The existing target directory, held (a link there is not followed)."""
+        with held_directory(self.name, dir_fd=self.parent_fd) as fd:
+            yield fd
+
+    def remove_old_version(self, name: str) -> None:
         """Remove a replaced version after success: a failure here is a warning and a leftover for gc.
 
         The new version is already in place; raising now would tell every peer the save failed.
         """
         self.phase("cleanup")
+        shown = os.path.join(self.parent, name)
         try:
-            remove_tree(path, what="replaced version")
+            remove_at(self.parent_fd, name, what="replaced version", shown=shown)
         except OSError as exc:
             logger.warning(
                 "%s: %s was promoted, but its old version %s could not be removed (%s); `safeio gc` "
                 "removes it later",
                 who(self.rank),
                 self.target,
-                path,
+                shown,
                 exc.strerror or exc,
             )
 

@@ -9,21 +9,28 @@ The set is made whole after a crash: before the first replacement the stage reco
 target's name and the files, in order) durably, and recovery rolls an interrupted merge forward. A merge
 that fails part-way (a destination not writable, say) keeps its stage and intent, so the next save of the
 target or ``safeio gc`` rolls it forward to the whole new set once the cause is fixed.
+
+Both sides are walked through descriptors: a symlinked directory planted in the target, or in a stale
+stage, is refused rather than followed, and only regular files and links (moved as links) ever move.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
+import stat
 from typing import Any
 
 from safeio._errors import InvalidTargetError
 from safeio._promotion.local import LocalPromotion
 from safeio._promotion.recovery import Action, Leftover
 from safeio._storage import manifest
-from safeio._storage.fsops import remove_tree
-from safeio._storage.posix import fsync_path
+from safeio._storage.dirfd import held_directory, lstat_at, open_directory, open_relative_directory
+from safeio._storage.fsops import remove_at
+from safeio._storage.metadata import INTENT_CAP, Damaged, read_json, validate_intent
+from safeio._storage.names import truncated_base
 from safeio._who import who
 
 logger = logging.getLogger("safeio")
@@ -33,21 +40,28 @@ class Merge(LocalPromotion):
     _intent_written = False
 
     def _replace_existing(self, stage: str, entries: dict[str, dict[str, Any]]) -> None:
-        target = self.target
-        self.write_manifest(stage, entries, target)
-        files = manifest.content_files(stage)
-        if self.options.manifest:
-            files.append(manifest.MANIFEST_NAME)  # last: it describes the whole set
-        self._check_conflicts(files)
-        with open(os.path.join(stage, manifest.MERGE_INTENT_NAME), "x", encoding="utf-8") as f:
-            json.dump({"target_name": self.name, "files": files}, f)
+        with self.target_directory() as target_fd:
+            self.write_manifest(entries, target_fd)
+            files = manifest.content_files(self.stage_fd)
+            if self.options.manifest:
+                files.append(manifest.MANIFEST_NAME)  # last: it describes the whole set
+            self._check_conflicts(target_fd, files)
+            self._write_intent(files)
+            roll_forward(self.stage_fd, target_fd, files, durable=self.options.durable)
+        remove_at(self.parent_fd, self.stage_name, what="merged stage", shown=stage)
+
+    def _write_intent(self, files: list[str]) -> None:
+        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+        fd = os.open(manifest.MERGE_INTENT_NAME, flags, 0o666, dir_fd=self.stage_fd)
+        try:
+            os.write(fd, json.dumps({"target_name": self.name, "files": files}).encode())
             if self.options.durable:
-                f.flush()
-                os.fsync(f.fileno())
+                os.fsync(fd)
+        finally:
+            os.close(fd)
         if self.options.durable:
-            fsync_path(stage, directory=True)
+            os.fsync(self.stage_fd)
         self._intent_written = True
-        roll_forward(stage, target, files, durable=self.options.durable)
 
     def discard(self, stage: str) -> None:
         if self._intent_written:
@@ -60,70 +74,142 @@ class Merge(LocalPromotion):
                 self.target,
                 stage,
             )
+            self.close()
             return
         super().discard(stage)
 
-    def _check_conflicts(self, files: list[str]) -> None:
+    def _check_conflicts(self, target_fd: int, files: list[str]) -> None:
         for rel in files:
             parts = rel.split("/")
-            for depth in range(1, len(parts)):
-                prefix = os.path.join(self.target, *parts[:depth])
-                if os.path.lexists(prefix) and not os.path.isdir(prefix):
-                    raise InvalidTargetError(
-                        f"cannot merge {rel} into {self.target}: {prefix} is a file there", self.target
-                    )
-            dest = os.path.join(self.target, *parts)
-            if os.path.isdir(dest) and not os.path.islink(dest):
-                raise InvalidTargetError(
-                    f"cannot merge {rel} into {self.target}: it is a directory there", self.target
-                )
+            fd = os.dup(target_fd)
+            try:
+                for depth, part in enumerate(parts):
+                    st = lstat_at(fd, part)
+                    if st is None:
+                        break
+                    last = depth == len(parts) - 1
+                    if stat.S_ISLNK(st.st_mode) and not last:
+                        raise InvalidTargetError(
+                            f"cannot merge {rel} into {self.target}: {'/'.join(parts[: depth + 1])} is a "
+                            "symlink there, and safeio never writes through one",
+                            self.target,
+                        )
+                    if last:
+                        if stat.S_ISDIR(st.st_mode):
+                            raise InvalidTargetError(
+                                f"cannot merge {rel} into {self.target}: it is a directory there", self.target
+                            )
+                        break
+                    if not stat.S_ISDIR(st.st_mode):
+                        raise InvalidTargetError(
+                            f"cannot merge {rel} into {self.target}: {'/'.join(parts[: depth + 1])} is a "
+                            "file there",
+                            self.target,
+                        )
+                    child = open_directory(part, dir_fd=fd)
+                    os.close(fd)
+                    fd = child
+            finally:
+                os.close(fd)
 
     @staticmethod
     def recover(
         leftover: Leftover, target_name: str | None, *, dry_run: bool, durable: bool
     ) -> Action | None:
-        """A stage with a merge intent: roll it forward. None when the stage has no intent."""
-        intent = read_intent(leftover.path)
-        if intent is None:
-            return None
-        named = str(intent.get("target_name", ""))
-        if target_name is not None and named != target_name:
-            return Action("skip", leftover.path, "merge intent of another target")
-        target = os.path.join(leftover.parent, named)
-        size = leftover.size
-        if not dry_run:
-            listed = intent["files"]
-            files = [str(f) for f in listed] if isinstance(listed, list) else []
-            roll_forward(leftover.path, target, files, durable=durable)
-            logger.warning(
-                "%s: rolled an interrupted merge forward into %s (%s)", who(), target, leftover.reason
-            )
-        return Action(
-            "roll-forward", leftover.path, f"interrupted merge into {target}; {leftover.reason}", size
-        )
+        """A stage with a merge intent: roll it forward. None when the stage holds no intent."""
+        pfd = leftover.parent_fd
+        try:
+            stage_fd = open_directory(leftover.name, dir_fd=pfd)
+        except OSError:
+            return None  # not a directory (a planted link or file): removed like any stale sibling
+        try:
+            raw = read_json(stage_fd, manifest.MERGE_INTENT_NAME, INTENT_CAP)
+            if raw is None:
+                return None
+            named = _intent_target(raw, leftover, target_name)
+            intent = validate_intent(raw, named) if named is not None else Damaged("no target name")
+            if isinstance(intent, Damaged):
+                # Half-written (its writer died before the first file moved) or crafted: nothing to roll
+                # forward from it. The stale stage goes like any other, never followed or read further.
+                return _remove(
+                    leftover, dry_run, f"{leftover.reason}; its merge intent is unusable: {intent.reason}"
+                )
+            target = os.path.join(leftover.parent, named or "")
+            size = leftover.size
+            if not dry_run:
+                _roll_leftover_forward(stage_fd, leftover, str(named), intent["files"], durable)
+                logger.warning(
+                    "%s: rolled an interrupted merge forward into %s (%s)", who(), target, leftover.reason
+                )
+            reason = f"interrupted merge into {target}; {leftover.reason}"
+            return Action("roll-forward", leftover.path, reason, size)
+        finally:
+            os.close(stage_fd)
 
 
-def read_intent(stage: str) -> dict[str, object] | None:
-    try:
-        with open(os.path.join(stage, manifest.MERGE_INTENT_NAME), encoding="utf-8") as f:
-            intent = json.load(f)
-    except (OSError, ValueError):
+def _intent_target(raw: object, leftover: Leftover, target_name: str | None) -> str | None:
+    """The target the intent may name: the stage's own (from its name), never another."""
+    named = raw.get("target_name") if isinstance(raw, dict) else None
+    if not isinstance(named, str):
         return None
-    return intent if isinstance(intent, dict) and isinstance(intent.get("files"), list) else None
+    if target_name is not None:
+        return target_name
+    return named if truncated_base(named) == leftover.sibling.base else leftover.sibling.base
 
 
-def roll_forward(stage: str, target: str, files: list[str], *, durable: bool) -> None:
-    """Replace every file of ``files`` still in ``stage`` into ``target``, in order, then drop the stage."""
-    touched: set[str] = set()
+def _roll_leftover_forward(
+    stage_fd: int, leftover: Leftover, name: str, files: list[str], durable: bool
+) -> None:
+    pfd = leftover.parent_fd
+    with contextlib.suppress(FileExistsError):
+        os.mkdir(name, 0o777, dir_fd=pfd)  # a merge's target existed; put it back if it has gone
+    try:
+        with held_directory(name, dir_fd=pfd) as target_fd:
+            roll_forward(stage_fd, target_fd, files, durable=durable)
+    except OSError as exc:
+        raise InvalidTargetError(
+            f"cannot roll the merge {leftover.path} forward into {os.path.join(leftover.parent, name)}: "
+            f"{exc.strerror or exc} (a link or a file where a directory should be?)",
+            leftover.path,
+        ) from exc
+    remove_at(pfd, leftover.name, what="merged stage", shown=leftover.path)
+
+
+def roll_forward(stage_fd: int, target_fd: int, files: list[str], *, durable: bool) -> None:
+    """Move every file of ``files`` still in the stage into the target, in order (names, not paths).
+
+    Only regular files and links move; a directory on the way that is a link raises (ELOOP/ENOTDIR).
+    """
+    synced: set[str] = set()
     for rel in files:
-        src = os.path.join(stage, *rel.split("/"))
-        if not os.path.lexists(src):
-            continue  # replaced before the crash
-        dst = os.path.join(target, *rel.split("/"))
-        os.makedirs(os.path.dirname(dst), exist_ok=True)
-        os.replace(src, dst)
-        touched.add(os.path.dirname(dst))
-    if durable:
-        for directory in sorted(touched, key=len, reverse=True):
-            fsync_path(directory, directory=True)
-    remove_tree(stage, what="merged stage")
+        rel_dir, _, name = rel.rpartition("/")
+        try:
+            src = open_relative_directory(stage_fd, rel_dir)
+        except FileNotFoundError:
+            continue  # its directory was already emptied before the crash
+        try:
+            st = lstat_at(src, name)
+            if st is None or not (stat.S_ISREG(st.st_mode) or stat.S_ISLNK(st.st_mode)):
+                continue  # replaced before the crash (or nothing a merge moves)
+            dst = open_relative_directory(target_fd, rel_dir, create=True)
+            try:
+                os.replace(name, name, src_dir_fd=src, dst_dir_fd=dst)
+            finally:
+                os.close(dst)
+            synced.add(rel_dir)
+        finally:
+            os.close(src)
+    if durable:  # the replaced names, children before parents
+        for rel_dir in sorted(synced, key=len, reverse=True):
+            fd = open_relative_directory(target_fd, rel_dir)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+
+
+def _remove(leftover: Leftover, dry_run: bool, reason: str) -> Action:
+    size = leftover.size
+    if not dry_run:
+        remove_at(leftover.parent_fd, leftover.name, what="stale stage", shown=leftover.path)
+    return Action("remove", leftover.path, reason, size)

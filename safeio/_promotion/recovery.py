@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import contextlib
 import os
+import stat
 from dataclasses import dataclass
 
+from safeio._storage.dirfd import lstat_at, open_directory, walk_files
 from safeio._storage.names import Sibling
 
 
@@ -21,27 +23,41 @@ class Action:
 
 @dataclass(frozen=True)
 class Leftover:
-    """A stale sibling a dead writer left beside a target, and why it was judged stale."""
+    """A stale sibling a dead writer left beside a target, and why it was judged stale.
+
+    ``parent_fd`` is the held parent directory; every step on the leftover is relative to it.
+    """
 
     sibling: Sibling
-    path: str
     parent: str
+    parent_fd: int
     reason: str
 
     @property
+    def name(self) -> str:
+        return self.sibling.name
+
+    @property
+    def path(self) -> str:
+        return os.path.join(self.parent, self.sibling.name)
+
+    @property
     def size(self) -> int:
-        return tree_size(self.path)
+        return tree_size(self.parent_fd, self.sibling.name)
 
 
-def tree_size(path: str) -> int:
-    if os.path.islink(path) or not os.path.isdir(path):
-        try:
-            return os.lstat(path).st_size
-        except OSError:
-            return 0
+def tree_size(dir_fd: int, name: str) -> int:
+    """Bytes of the regular files under ``name`` (or of ``name`` itself), following no link."""
+    st = lstat_at(dir_fd, name)
+    if st is None:
+        return 0
+    if not stat.S_ISDIR(st.st_mode):
+        return st.st_size
     total = 0
-    for dirpath, _dirnames, filenames in os.walk(path):
-        for name in filenames:
-            with contextlib.suppress(OSError):
-                total += os.lstat(os.path.join(dirpath, name)).st_size
+    with contextlib.suppress(OSError):
+        fd = open_directory(name, dir_fd=dir_fd)
+        try:
+            total = sum(s.st_size for _rel, _fd, _name, s in walk_files(fd) if stat.S_ISREG(s.st_mode))
+        finally:
+            os.close(fd)
     return total

@@ -5,23 +5,28 @@ POSIX filesystem, NFS included, so the name never disappears. Old versions stay 
 (``SAFEIO_VERSION_GRACE``, 300 s) so that readers that resolved the link finish; ``safeio.snapshot``
 resolves it once for readers that need one consistent version. A merge save into a versioned target
 hard-links the previous version's other files into the new one (versions are immutable, so sharing
-inodes is safe and costs no copy).
+inodes is safe and costs no copy). The link must name a version directory of this target beside it,
+opened without following a link: a crafted link or "version" pointing elsewhere is refused, so no file
+from outside is ever linked into a version others read.
 """
 
 from __future__ import annotations
 
 import os
+import stat
 import time
 from typing import Any
 
+from safeio._errors import InvalidTargetError
 from safeio._options import version_grace
 from safeio._promotion.local import LocalPromotion
 from safeio._promotion.recovery import Action, tree_size
 from safeio._storage import manifest
-from safeio._storage.fsops import remove_tree
+from safeio._storage.dirfd import lstat_at, open_directory, open_relative_directory, walk_files
+from safeio._storage.fsops import remove_at
+from safeio._storage.metadata import Damaged, load_manifest
 from safeio._storage.names import parse, sibling_name
-from safeio._storage.posix import fsync_path
-from safeio._storage.readers import is_version_link
+from safeio._storage.readers import version_pointee
 
 KEEP_VERSIONS = 2
 
@@ -32,54 +37,88 @@ class Versioned(LocalPromotion):
         self.refuse_protected_directories()
 
     def _promote(self, stage: str, entries: dict[str, dict[str, Any]]) -> None:
-        target, parent, name = self.target, self.parent, self.name
+        pfd, name = self.parent_fd, self.name
         merge = self.options.mode == "merge"
-        current = os.path.realpath(target) if os.path.lexists(target) else None
-        if merge and current is not None:
-            entries = {**self._link_previous_files(current, stage), **entries}
-        self.write_manifest(stage, entries, current if merge else None)
+        previous = self._open_current_version() if merge else None
+        try:
+            if previous is not None:
+                entries = {**self._link_previous_files(previous), **entries}
+            self.write_manifest(entries, previous)
+        finally:
+            if previous is not None:
+                os.close(previous)
         if self.options.durable:
-            fsync_path(stage, directory=True)
+            os.fsync(self.stage_fd)
         version_name = sibling_name(name, "v")
-        os.rename(stage, os.path.join(parent, version_name))
-        if os.path.lexists(target) and not os.path.islink(target):
+        os.rename(self.stage_name, version_name, src_dir_fd=pfd, dst_dir_fd=pfd)
+        st = lstat_at(pfd, name)
+        if st is not None and stat.S_ISDIR(st.st_mode):
             # First versioned save over a plain directory: it becomes a version too (the name is missing
             # for an instant this once; every later save swaps a symlink).
-            os.rename(target, os.path.join(parent, sibling_name(name, "v")))
-        link = os.path.join(parent, sibling_name(name, "link"))
-        os.symlink(version_name, link)
-        os.replace(link, target)
+            os.rename(name, sibling_name(name, "v"), src_dir_fd=pfd, dst_dir_fd=pfd)
+        link = sibling_name(name, "link")
+        os.symlink(version_name, link, dir_fd=pfd)
+        os.replace(link, name, src_dir_fd=pfd, dst_dir_fd=pfd)
         if self.options.durable:
-            fsync_path(parent, directory=True)
+            os.fsync(pfd)
         self.phase("cleanup")
-        prune(parent, name)
+        prune(self.parent, pfd, name)
 
     def _replace_existing(self, stage: str, entries: dict[str, dict[str, Any]]) -> None:
         self._promote(stage, entries)  # _promote handles a present and an absent target alike
 
-    def _link_previous_files(self, previous: str, stage: str) -> dict[str, dict[str, Any]]:
-        staged = set(manifest.content_files(stage))
-        old_manifest = manifest.read(previous) or {"files": {}}
+    def _open_current_version(self) -> int | None:
+        """The current version directory (or the plain directory a first versioned save replaces)."""
+        st = lstat_at(self.parent_fd, self.name)
+        if st is None:
+            return None
+        current = self.name
+        if stat.S_ISLNK(st.st_mode):
+            pointee = version_pointee(self.name, dir_fd=self.parent_fd)
+            if pointee is None:  # check_target refuses it too; the link changed since
+                raise InvalidTargetError(
+                    f"target {self.target} links somewhere safeio did not make", self.target
+                )
+            current = pointee
+        try:
+            return open_directory(current, dir_fd=self.parent_fd)
+        except OSError as exc:
+            raise InvalidTargetError(
+                f"the version {current} that {self.target} links to is not a directory safeio made "
+                f"({exc.strerror or exc}); refusing to read from it",
+                self.target,
+            ) from exc
+
+    def _link_previous_files(self, previous_fd: int) -> dict[str, dict[str, Any]]:
+        staged = set(manifest.content_files(self.stage_fd))
+        old = load_manifest(previous_fd, manifest.MANIFEST_NAME)
+        old_files = old["files"] if old is not None and not isinstance(old, Damaged) else {}
         kept: dict[str, dict[str, Any]] = {}
-        for rel in manifest.content_files(previous):
-            if rel in staged:
+        for rel_dir, fd, name, st in walk_files(previous_fd):
+            rel = f"{rel_dir}/{name}" if rel_dir else name
+            if rel in staged or rel in manifest.BOOKKEEPING:
                 continue
-            dst = os.path.join(stage, *rel.split("/"))
-            os.makedirs(os.path.dirname(dst), exist_ok=True)
-            os.link(os.path.join(previous, *rel.split("/")), dst)
-            if rel in old_manifest["files"]:
-                kept[rel] = old_manifest["files"][rel]
+            if not (stat.S_ISREG(st.st_mode) or stat.S_ISLNK(st.st_mode)):
+                continue
+            dst = open_relative_directory(self.stage_fd, rel_dir, create=True)
+            try:
+                os.link(name, name, src_dir_fd=fd, dst_dir_fd=dst, follow_symlinks=False)
+            finally:
+                os.close(dst)
+            if rel in old_files:
+                kept[rel] = old_files[rel]
         return kept
 
 
-def versioned_targets(parent: str, target_name: str | None) -> list[str]:
-    """The versioned targets in ``parent`` (only ``target_name``, if given)."""
-    names = [target_name] if target_name is not None else sorted(os.listdir(parent))
-    return [name for name in names if is_version_link(os.path.join(parent, name))]
+def versioned_targets(parent_fd: int, target_name: str | None) -> list[str]:
+    """The versioned targets in the directory (only ``target_name``, if given)."""
+    names = [target_name] if target_name is not None else sorted(os.listdir(parent_fd))
+    return [name for name in names if version_pointee(name, dir_fd=parent_fd) is not None]
 
 
 def prune(
     parent: str,
+    parent_fd: int,
     target_name: str,
     *,
     dry_run: bool = False,
@@ -93,21 +132,22 @@ def prune(
     """
     now = time.time() if now is None else now
     grace = version_grace() if grace is None else grace
-    link = os.path.join(parent, target_name)
-    current = os.readlink(link) if os.path.islink(link) else None
+    current = version_pointee(target_name, dir_fd=parent_fd)
     versions: list[tuple[float, str]] = []
-    for name in os.listdir(parent):
+    for name in os.listdir(parent_fd):
         sibling = parse(name)
         if sibling is not None and sibling.kind == "v" and sibling.belongs_to(target_name):
-            versions.append((os.lstat(os.path.join(parent, name)).st_mtime, name))
+            st = lstat_at(parent_fd, name)
+            if st is not None:
+                versions.append((st.st_mtime, name))
     versions.sort(reverse=True)
     actions = []
     for index, (mtime, name) in enumerate(versions):
         if name == current or index < KEEP_VERSIONS or now - mtime < grace:
             continue
         path = os.path.join(parent, name)
-        size = tree_size(path)
+        size = tree_size(parent_fd, name)
         if not dry_run:
-            remove_tree(path, what="old version")
+            remove_at(parent_fd, name, what="old version", shown=path)
         actions.append(Action("remove", path, f"old version, {now - mtime:.0f} s old", size))
     return actions

@@ -41,8 +41,7 @@ def atomic_open(
     promotion = file_promotion_for(resolve(path), exclusive=mode.startswith("x"), durable=durable)
     stage = promotion.open_stage()
     try:
-        # Our own fresh, private file (O_EXCL above): opening it "w" truncates nothing anyone reads.
-        with open(stage, "wb" if "b" in mode else "w", encoding=encoding, newline=newline) as f:
+        with promotion.open_file("wb" if "b" in mode else "w", encoding=encoding, newline=newline) as f:
             yield f
         promotion.finish(stage)
     except BaseException as exc:

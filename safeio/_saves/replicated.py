@@ -17,7 +17,7 @@ import tempfile
 import time
 from dataclasses import dataclass
 from types import TracebackType
-from typing import Any, Literal, Protocol
+from typing import IO, Any, Literal, Protocol
 
 from safeio._boundary import attach_cleanup_error, body_failure
 from safeio._coordination.channel import Channel, Outcome, decode_value, encode_value
@@ -25,7 +25,7 @@ from safeio._coordination.group import Group, resolve_group
 from safeio._diagnostics.watchdog import Watchdog
 from safeio._options import SaveOptions
 from safeio._promotion import active
-from safeio._promotion.atomic_file import file_promotion_for
+from safeio._promotion.atomic_file import FilePromotion, file_promotion_for
 from safeio._promotion.resolver import promotion_for
 from safeio._saves.visibility import DirectoryVisibility, FileVisibility
 from safeio._storage.location import Location, resolve
@@ -113,6 +113,14 @@ class ReplicatedSave:
         active.push(self._entry)
         self._stage = Stage(path, target_key, group.is_writer, group)
         return self._stage
+
+    def open_file(self) -> IO[bytes]:
+        """For ``kind="file"`` on the writer: the staged file, open for binary writing."""
+        promotion = self._promotion
+        if not isinstance(promotion, FilePromotion):
+            raise TypeError("open_file() is for the writer of a file save")
+        file: IO[bytes] = promotion.open_file("wb")
+        return file
 
     def _make_promotion(self, channel: Channel, group: Group) -> _Promoting:
         if self.kind == "file":

@@ -35,6 +35,8 @@ def torch_save(
     """
     torch = _torch()
     options = SaveOptions.of(timeout=timeout, durable=durable, writer=writer, warn_after=warn_after)
-    with ReplicatedSave(path, options, group=group, kind="file") as stage:
+    save = ReplicatedSave(path, options, group=group, kind="file")
+    with save as stage:
         if stage.is_writer:
-            torch.save(obj, stage.path, **save_kwargs)
+            with save.open_file() as f:  # through the descriptor that created it, never the name
+                torch.save(obj, f, **save_kwargs)

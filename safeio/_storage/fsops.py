@@ -9,6 +9,7 @@ import shutil
 import stat
 import time
 
+from safeio._storage.dirfd import held_directory, open_regular_file, walk_directories, walk_files
 from safeio._storage.posix import current_umask
 from safeio._who import who
 
@@ -19,46 +20,47 @@ logger = logging.getLogger("safeio")
 _REMOVE_ATTEMPTS = 3
 
 
-def normalize_permissions(root: str) -> None:
-    """Give ``root`` and everything in it the modes a plain mkdir/open under the umask would give.
+def normalize_permissions(stage_fd: int) -> None:
+    """Give the stage and everything in it the modes a plain mkdir/open under the umask would give.
 
     The stage is created by safeio, but tools write into it with their own modes (safetensors writes
     weights 0600 through mkstemp); a replicated checkpoint must be readable by whoever could read a
     checkpoint written without safeio. A directory keeps its setgid bit, which mkdir inherits in a
-    setgid project share: clearing it would make later writes there (DCP shards) lose the group.
+    setgid project share: clearing it would make later writes there (DCP shards) lose the group. Files
+    are changed through a descriptor opened without following links, so a link the body wrote (or one
+    planted in a group-writable stage) is never followed to chmod something elsewhere.
     """
     umask = current_umask()
     dir_mode, file_mode = 0o777 & ~umask, 0o666 & ~umask
-    for dirpath, dirnames, filenames in os.walk(root):
-        for name in filenames:
-            full = os.path.join(dirpath, name)
-            st = os.lstat(full)
-            if stat.S_ISREG(st.st_mode):
-                wanted = file_mode | (st.st_mode & 0o111 & ~umask)
-                if stat.S_IMODE(st.st_mode) != wanted:
-                    os.chmod(full, wanted)
-        for name in dirnames:
-            _chmod_directory(os.path.join(dirpath, name), dir_mode)
-    _chmod_directory(root, dir_mode)
+    for _rel, fd, name, st in walk_files(stage_fd):
+        if not stat.S_ISREG(st.st_mode):
+            continue
+        wanted = file_mode | (st.st_mode & 0o111 & ~umask)
+        if stat.S_IMODE(st.st_mode) != wanted:
+            file_fd, _ = open_regular_file(fd, name)
+            try:
+                os.fchmod(file_fd, wanted)
+            finally:
+                os.close(file_fd)
+    for _rel, fd in walk_directories(stage_fd):
+        mode = os.fstat(fd).st_mode
+        wanted = dir_mode | (mode & stat.S_ISGID)
+        if stat.S_IMODE(mode) != wanted:
+            os.fchmod(fd, wanted)
 
 
-def _chmod_directory(path: str, mode: int) -> None:
-    st = os.lstat(path)
-    if not stat.S_ISDIR(st.st_mode):
-        return  # a symlink the body wrote stays a link; chmod would follow it
-    wanted = mode | (st.st_mode & stat.S_ISGID)
-    if stat.S_IMODE(st.st_mode) != wanted:
-        os.chmod(path, wanted)
+def remove_at(dir_fd: int, name: str, *, what: str = "leftover", shown: str | None = None) -> bool:
+    """Remove ``name`` in ``dir_fd`` (a directory tree, file or link), never following a link.
 
-
-def remove_tree(path: str, *, what: str = "leftover") -> bool:
-    """Remove ``path`` (directory, file or link). False if NFS silly-renamed files kept it alive."""
+    False if NFS silly-renamed files kept it alive (see ``remove_tree``).
+    """
     for attempt in range(_REMOVE_ATTEMPTS):
         try:
-            if os.path.isdir(path) and not os.path.islink(path):
-                shutil.rmtree(path)
+            st = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
+            if stat.S_ISDIR(st.st_mode):
+                shutil.rmtree(name, dir_fd=dir_fd)  # the fd-based rmtree: it never follows links
             else:
-                os.unlink(path)
+                os.unlink(name, dir_fd=dir_fd)
             return True
         except FileNotFoundError:
             return True
@@ -71,6 +73,15 @@ def remove_tree(path: str, *, what: str = "leftover") -> bool:
         "`safeio gc` will remove it later",
         who(),
         what,
-        path,
+        shown or name,
     )
     return False
+
+
+def remove_tree(path: str, *, what: str = "leftover") -> bool:
+    """Remove ``path`` (a directory tree, file or link) relative to its held parent; see ``remove_at``."""
+    try:
+        with held_directory(os.path.dirname(path) or ".", follow=True) as parent:
+            return remove_at(parent, os.path.basename(path), what=what, shown=path)
+    except FileNotFoundError:
+        return True

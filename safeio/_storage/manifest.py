@@ -4,7 +4,8 @@ Sizes are always recorded (a stat per file, free next to the save); sha256 only 
 durable, because hashing a 1.3 MB ``tokenizer.json`` costs about as much as the save itself and the
 non-durable path promises to cost no more than a plain save. ``safeio verify`` checks what is recorded.
 In ``merge`` mode several objects share one directory, so a save updates the entries of the files it
-wrote and keeps the others.
+wrote and keeps the others. Only regular files are listed; reading a manifest goes through
+``safeio._storage.metadata`` (bounded, validated), and checking one never follows a link.
 """
 
 from __future__ import annotations
@@ -13,8 +14,12 @@ import hashlib
 import json
 import os
 import socket
+import stat
 import time
 from typing import Any
+
+from safeio._storage.dirfd import held_directory, open_regular_file, open_relative_directory, walk_files
+from safeio._storage.metadata import Damaged, load_manifest
 
 MANIFEST_NAME = ".safeio-manifest.json"
 MERGE_INTENT_NAME = ".safeio-merge-intent.json"
@@ -23,33 +28,49 @@ FORMAT = 1
 BOOKKEEPING = frozenset({MANIFEST_NAME, MERGE_INTENT_NAME})
 
 
-def content_files(root: str) -> list[str]:
-    """Relative POSIX paths of every regular file under ``root`` except safeio's bookkeeping."""
-    found: list[str] = []
-    for dirpath, dirnames, filenames in os.walk(root):
-        dirnames.sort()
-        for name in sorted(filenames):
-            rel = os.path.relpath(os.path.join(dirpath, name), root).replace(os.sep, "/")
-            if rel not in BOOKKEEPING:
-                found.append(rel)
-    return found
+def _rel(rel_dir: str, name: str) -> str:
+    return f"{rel_dir}/{name}" if rel_dir else name
 
 
-def sha256_file(path: str) -> str:
+def content_files(directory: int | str) -> list[str]:
+    """Relative POSIX paths of every regular file or symlink below ``directory`` (a descriptor, or a path
+    the caller gave) except safeio's bookkeeping."""
+    if isinstance(directory, str):
+        with held_directory(directory, follow=True) as fd:
+            return content_files(fd)
+    dir_fd = directory
+    return [
+        _rel(rel_dir, name)
+        for rel_dir, _fd, name, st in walk_files(dir_fd)
+        if (stat.S_ISREG(st.st_mode) or stat.S_ISLNK(st.st_mode)) and _rel(rel_dir, name) not in BOOKKEEPING
+    ]
+
+
+def sha256_fd(fd: int) -> str:
     digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            digest.update(block)
+    while block := os.read(fd, 1 << 20):
+        digest.update(block)
     return digest.hexdigest()
 
 
-def describe_files(root: str, *, hashes: bool) -> dict[str, dict[str, Any]]:
+def sha256_at(dir_fd: int, name: str) -> str:
+    fd, _ = open_regular_file(dir_fd, name)
+    try:
+        return sha256_fd(fd)
+    finally:
+        os.close(fd)
+
+
+def describe_files(dir_fd: int, *, hashes: bool) -> dict[str, dict[str, Any]]:
+    """Manifest entries of the regular files below ``dir_fd`` (links the body wrote are not content)."""
     entries: dict[str, dict[str, Any]] = {}
-    for rel in content_files(root):
-        full = os.path.join(root, rel)
-        entry: dict[str, Any] = {"size": os.lstat(full).st_size}
+    for rel_dir, fd, name, st in walk_files(dir_fd):
+        rel = _rel(rel_dir, name)
+        if not stat.S_ISREG(st.st_mode) or rel in BOOKKEEPING:
+            continue
+        entry: dict[str, Any] = {"size": st.st_size}
         if hashes:
-            entry["sha256"] = sha256_file(full)
+            entry["sha256"] = sha256_at(fd, name)
         entries[rel] = entry
     return entries
 
@@ -85,36 +106,70 @@ def dumps(manifest: dict[str, Any]) -> bytes:
     return json.dumps(manifest, indent=1, sort_keys=True).encode()
 
 
-def write(directory: str, manifest: dict[str, Any], *, durable: bool) -> None:
-    path = os.path.join(directory, MANIFEST_NAME)
-    with open(path, "xb") as f:
-        f.write(dumps(manifest))
+def write(dir_fd: int, manifest: dict[str, Any], *, durable: bool) -> None:
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+    fd = os.open(MANIFEST_NAME, flags, 0o666, dir_fd=dir_fd)
+    try:
+        data = dumps(manifest)
+        while data:
+            data = data[os.write(fd, data) :]
         if durable:
-            f.flush()
-            os.fsync(f.fileno())
+            os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def load(directory: str) -> dict[str, Any] | Damaged | None:
+    """The manifest of ``directory`` (a path the caller gave), validated; Damaged or None otherwise."""
+    try:
+        with held_directory(directory, follow=True) as fd:
+            return load_manifest(fd, MANIFEST_NAME)
+    except FileNotFoundError:
+        return None
+    except OSError as exc:
+        return Damaged(f"{directory} cannot be opened as a directory ({exc.strerror or exc})")
 
 
 def read(directory: str) -> dict[str, Any] | None:
-    try:
-        with open(os.path.join(directory, MANIFEST_NAME), "rb") as f:
-            data = json.loads(f.read())
-    except (OSError, ValueError):
-        return None
-    return data if isinstance(data, dict) and isinstance(data.get("files"), dict) else None
+    """The manifest of ``directory``, or None when it is absent or damaged."""
+    record = load(directory)
+    return None if isinstance(record, Damaged) else record
 
 
 def problems(directory: str, manifest: dict[str, Any], *, check_hashes: bool = True) -> list[str]:
-    """What in ``directory`` disagrees with ``manifest`` (empty when the directory is complete)."""
+    """What in ``directory`` disagrees with ``manifest`` (empty when the directory is complete).
+
+    ``manifest`` is validated (every name inside the directory); each entry is reached without following
+    a link and must be a regular file, so a crafted entry cannot make this read anything elsewhere.
+    """
     found: list[str] = []
-    for rel, entry in manifest["files"].items():
-        full = os.path.join(directory, *rel.split("/"))
-        try:
-            size = os.stat(full).st_size
-        except OSError:
-            found.append(f"missing: {rel}")
-            continue
-        if size != entry.get("size"):
-            found.append(f"size mismatch: {rel} is {size} bytes, manifest says {entry.get('size')}")
-        elif check_hashes and "sha256" in entry and sha256_file(full) != entry["sha256"]:
-            found.append(f"sha256 mismatch: {rel}")
+    with held_directory(directory, follow=True) as root:
+        for rel, entry in manifest["files"].items():
+            *dirs, name = rel.split("/")
+            try:
+                fd = open_relative_directory(root, "/".join(dirs))
+            except OSError:
+                found.append(f"missing: {rel}")
+                continue
+            try:
+                found.extend(_entry_problems(fd, name, rel, entry, check_hashes))
+            finally:
+                os.close(fd)
     return found
+
+
+def _entry_problems(fd: int, name: str, rel: str, entry: dict[str, Any], check_hashes: bool) -> list[str]:
+    try:
+        file_fd, st = open_regular_file(fd, name)
+    except FileNotFoundError:
+        return [f"missing: {rel}"]
+    except OSError:
+        return [f"not a regular file: {rel}"]
+    try:
+        if st.st_size != entry.get("size"):
+            return [f"size mismatch: {rel} is {st.st_size} bytes, manifest says {entry.get('size')}"]
+        if check_hashes and "sha256" in entry and sha256_fd(file_fd) != entry["sha256"]:
+            return [f"sha256 mismatch: {rel}"]
+    finally:
+        os.close(file_fd)
+    return []

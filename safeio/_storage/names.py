@@ -78,6 +78,14 @@ def parse(name: str) -> Sibling | None:
     return Sibling(name, match["base"], match["kind"], match["host"], int(match["pid"]))
 
 
+def is_version_pointee(pointee: str, target_name: str | None = None) -> bool:
+    """Whether a version link's content names a version directory beside it (of ``target_name``)."""
+    sibling = parse(pointee) if "/" not in pointee and "\0" not in pointee else None
+    if sibling is None or sibling.kind != "v":
+        return False
+    return target_name is None or sibling.belongs_to(target_name)
+
+
 def pid_alive(pid: int) -> bool:
     if pid <= 0:
         return False

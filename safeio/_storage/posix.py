@@ -44,13 +44,21 @@ def _libc() -> Any:
     return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
 
 
-def renameat2(src: str, dst: str, flags: int) -> None:
-    """``renameat2(2)``; raises OSError (EINVAL/ENOSYS/EOPNOTSUPP where unsupported, as on NFS)."""
+def renameat2(
+    src: str, dst: str, flags: int, *, src_dir_fd: int | None = None, dst_dir_fd: int | None = None
+) -> None:
+    """``renameat2(2)``, names relative to the directory descriptors if given (like ``os.rename``).
+
+    Raises OSError (EINVAL/ENOSYS/EOPNOTSUPP where unsupported, as on NFS). Python has no wrapper, so
+    this is the one ctypes call in safeio; tests exercise exchange and noreplace on tmpfs.
+    """
     libc = _libc()
     func = getattr(libc, "renameat2", None)
     if func is None:
         raise OSError(errno.ENOSYS, "renameat2 is not available in this C library", src)
-    result = func(_AT_FDCWD, os.fsencode(src), _AT_FDCWD, os.fsencode(dst), ctypes.c_uint(flags))
+    src_fd = _AT_FDCWD if src_dir_fd is None else src_dir_fd
+    dst_fd = _AT_FDCWD if dst_dir_fd is None else dst_dir_fd
+    result = func(src_fd, os.fsencode(src), dst_fd, os.fsencode(dst), ctypes.c_uint(flags))
     if result != 0:
         err = ctypes.get_errno()
         raise OSError(err, os.strerror(err), src, None, dst)

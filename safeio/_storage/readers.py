@@ -15,17 +15,22 @@ from typing import Any
 
 from safeio._storage import manifest
 from safeio._storage.location import Location, resolve
-from safeio._storage.names import parse
+from safeio._storage.names import is_version_pointee
+
+
+def version_pointee(name: str, *, dir_fd: int | None = None) -> str | None:
+    """What a versioned target's link names (a version directory beside it), or None if ``name`` is not
+    such a link. The pointee is one component, parsed as a version of ``name``: never a path elsewhere."""
+    try:
+        pointee = os.readlink(name, dir_fd=dir_fd)
+    except OSError:
+        return None
+    return pointee if is_version_pointee(pointee, os.path.basename(name)) else None
 
 
 def is_version_link(path: str) -> bool:
-    """Whether ``path`` is a symlink safeio made for a versioned target: one component, a version name."""
-    try:
-        pointee = os.readlink(path)
-    except OSError:
-        return False
-    sibling = parse(pointee)
-    return "/" not in pointee and sibling is not None and sibling.kind == "v"
+    """Whether ``path`` is a symlink safeio made for a versioned target."""
+    return version_pointee(path) is not None
 
 
 class TargetReader(ABC):
@@ -134,6 +139,5 @@ def snapshot(path: str | os.PathLike[str]) -> str:
     location = resolve(path)
     if not location.is_local:
         return location.url()
-    if is_version_link(location.path):
-        return os.path.join(location.parent, os.readlink(location.path))
-    return location.path
+    pointee = version_pointee(location.path)
+    return os.path.join(location.parent, pointee) if pointee is not None else location.path

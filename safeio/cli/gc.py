@@ -13,14 +13,16 @@ from __future__ import annotations
 
 import argparse
 import os
-import socket
+import stat
 import time
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from safeio._promotion.leftovers import recover_directory, staleness
 from safeio._promotion.recovery import Action
-from safeio._storage.names import LOCK_SUFFIX, parse, pid_alive
+from safeio._storage.dirfd import lstat_at
+from safeio._storage.lock_markers import read_marker, remove_if_unchanged
+from safeio._storage.names import LOCK_SUFFIX, parse
 from safeio.cli._common import (
     EXIT_OK,
     EXIT_PROBLEMS,
@@ -29,12 +31,6 @@ from safeio.cli._common import (
     parse_duration,
     print_json,
 )
-
-# filelock's soft-lock markers are at most this long; anything bigger is not one of them.
-_MARKER_MAX = 1024
-# filelock's host field carries this suffix when the writer ran in a non-initial PID namespace.
-_NAMESPACE_MARK = "?pidns-"
-_INITIAL_PID_NAMESPACE = 0xEFFFFFFC
 
 
 def add_parser(commands: Any, epilog: str) -> None:
@@ -85,8 +81,26 @@ class Report:
 def run(args: argparse.Namespace) -> int:
     root = existing_directory(args.path)
     report = Report(root, args.dry_run, args.older_than)
-    for directory, names in _directories_with_leftovers(root, report):
-        _collect(directory, names, report, args.older_than, args.dry_run)
+
+    def onerror(exc: OSError) -> None:
+        report.errors.append({"path": str(exc.filename or root), "error": exc.strerror or str(exc)})
+
+    # fwalk, not following links: a symlink to a directory elsewhere is listed but never entered, and
+    # each directory is worked on through the descriptor the walk holds, so a directory swapped for a
+    # link meanwhile cannot lead gc outside PATH.
+    for dirpath, dirnames, filenames, dir_fd in os.fwalk(root, onerror=onerror, follow_symlinks=False):
+        names = sorted(dirnames + filenames)
+        if any(parse(name) is not None or _is_lock_name(name) for name in names):
+            _collect(dirpath, dir_fd, names, report, args.older_than, args.dry_run)
+        # A safeio sibling is handled whole (its contents, .nfs* included, are safeio's); the
+        # strict lock's claims directory belongs to filelock.
+        dirnames[:] = sorted(
+            d
+            for d in dirnames
+            if parse(d) is None
+            and not d.endswith(LOCK_SUFFIX + ".filelock")
+            and lstat_at(dir_fd, d) is not None
+        )
     if args.json:
         print_json(report.to_dict())
     else:
@@ -94,35 +108,15 @@ def run(args: argparse.Namespace) -> int:
     return EXIT_PROBLEMS if report.errors else EXIT_OK
 
 
-def _directories_with_leftovers(root: str, report: Report) -> list[tuple[str, list[str]]]:
-    found = []
-
-    def onerror(exc: OSError) -> None:
-        report.errors.append({"path": str(exc.filename or root), "error": exc.strerror or str(exc)})
-
-    # followlinks=False: a symlink to a directory elsewhere is listed but never entered, so gc
-    # cannot reach outside PATH.
-    for dirpath, dirnames, filenames in os.walk(root, onerror=onerror, followlinks=False):
-        names = dirnames + filenames
-        if any(parse(name) is not None or _is_lock_name(name) for name in names):
-            found.append((dirpath, sorted(names)))
-        # A safeio sibling is handled whole (its contents, .nfs* included, are safeio's); the
-        # strict lock's claims directory belongs to filelock.
-        dirnames[:] = sorted(
-            d for d in dirnames if parse(d) is None and not d.endswith(LOCK_SUFFIX + ".filelock")
-        )
-    return found
-
-
 def _is_lock_name(name: str) -> bool:
     return name.startswith(".") and name.endswith(LOCK_SUFFIX) and len(name) > len(LOCK_SUFFIX) + 1
 
 
 def _collect(
-    directory: str, names: list[str], report: Report, older_than: float | None, dry_run: bool
+    directory: str, dir_fd: int, names: list[str], report: Report, older_than: float | None, dry_run: bool
 ) -> None:
     try:
-        actions = recover_directory(directory, older_than=older_than, dry_run=dry_run)
+        actions = recover_directory(directory, parent_fd=dir_fd, older_than=older_than, dry_run=dry_run)
     except OSError as exc:
         report.errors.append({"path": directory, "error": exc.strerror or str(exc)})
         actions = []
@@ -130,7 +124,7 @@ def _collect(
     for action in actions:
         acted.add(action.path)
         report.actions.append(_action_dict(action, dry_run))
-        if not dry_run and action.verb == "remove" and os.path.lexists(action.path):
+        if not dry_run and action.verb == "remove" and lstat_at(dir_fd, os.path.basename(action.path)):
             # remove_tree gave up: an NFS reader still holds a silly-renamed .nfs* file inside.
             report.actions[-1]["done"] = False
             report.errors.append(
@@ -140,10 +134,11 @@ def _collect(
     for name in names:
         path = os.path.join(directory, name)
         sibling = parse(name)
-        if sibling is not None and path not in acted and os.path.lexists(path):
-            report.kept.append({"path": path, "reason": staleness(sibling, path, older_than, now)[1]})
+        if sibling is not None and path not in acted and lstat_at(dir_fd, name) is not None:
+            reason = staleness(sibling, directory, dir_fd, older_than, now)[1]
+            report.kept.append({"path": path, "reason": reason})
         elif sibling is None and _is_lock_name(name):
-            _collect_lock(path, report, older_than, dry_run, now)
+            _collect_lock(directory, dir_fd, name, report, older_than, dry_run, now)
 
 
 def _action_dict(action: Action, dry_run: bool) -> dict[str, Any]:
@@ -157,93 +152,57 @@ def _action_dict(action: Action, dry_run: bool) -> dict[str, Any]:
 
 
 # ---------------------------------------------------------------------------------------------------
-# Soft-lock markers
+# Soft-lock markers (judged by safeio._storage.lock_markers)
 
 
-@dataclass(frozen=True)
-class Holder:
-    pid: int
-    host: str
-
-
-def read_holder(path: str) -> tuple[Holder | None, os.stat_result | None, bytes]:
-    """The holder recorded in a filelock soft-lock marker (``pid=``/``host=`` lines, or the older
-    ``pid\\nhost\\n`` form); None for anything else, including flock's empty lock files."""
-    try:
-        st = os.lstat(path)
-        if not os.path.isfile(path) or os.path.islink(path) or st.st_size > _MARKER_MAX:
-            return None, st, b""
-        with open(path, "rb") as f:
-            raw = f.read(_MARKER_MAX + 1)
-    except OSError:
-        return None, None, b""
-    text = raw.decode("utf-8", "replace")
-    lines = text.splitlines()
-    if not text.endswith("\n") or not lines:
-        return None, st, raw  # empty (flock) or half-written: not ours to judge
-    fields = dict(line.partition("=")[::2] for line in lines[1:] if "=" in line)
-    if lines[0].startswith("filelock/") and fields.get("pid", "").isdigit() and fields.get("host"):
-        return Holder(int(fields["pid"]), fields["host"]), st, raw
-    if len(lines) in (2, 3) and lines[0].isdigit() and lines[1]:
-        return Holder(int(lines[0]), lines[1]), st, raw
-    return None, st, raw
-
-
-def _this_host() -> str:
-    # As filelock writes it: the host name, plus the PID namespace when not the initial one (a pid is
-    # only meaningful inside its namespace).
-    name = socket.gethostname()
-    try:
-        namespace = os.stat("/proc/self/ns/pid").st_ino
-    except OSError:
-        return name
-    return name if namespace == _INITIAL_PID_NAMESPACE else f"{name}{_NAMESPACE_MARK}{namespace:x}"
-
-
-def _collect_lock(path: str, report: Report, older_than: float | None, dry_run: bool, now: float) -> None:
-    holder, st, raw = read_holder(path)
-    if holder is None or st is None:
-        return  # flock lock files stay: removing one a process holds would let a second holder in
-    age = now - st.st_mtime
-    if holder.host == _this_host():
-        if pid_alive(holder.pid):
-            report.kept.append({"path": path, "reason": f"lock held by live pid {holder.pid}"})
-            return
-        reason = f"soft lock of pid {holder.pid}, which is gone"
-    elif older_than is None:
-        report.kept.append(
-            {"path": path, "reason": f"lock held on host {holder.host} (pass --older-than to break it)"}
-        )
+def _collect_lock(
+    directory: str,
+    dir_fd: int,
+    name: str,
+    report: Report,
+    older_than: float | None,
+    dry_run: bool,
+    now: float,
+) -> None:
+    path = os.path.join(directory, name)
+    marker = read_marker(dir_fd, name)
+    if marker is None:
         return
-    else:
+    age = now - marker.st.st_mtime
+    holder = marker.holder
+    if marker.damaged is not None:
+        if stat.S_ISDIR(marker.st.st_mode) or older_than is None:
+            report.kept.append(
+                {"path": path, "reason": f"damaged: {marker.damaged} (pass --older-than to remove it)"}
+            )
+            return
+        reason = f"damaged: {marker.damaged}, {age:.0f} s old"
+    elif holder is None:
+        return  # flock lock files stay: removing one a process holds would let a second holder in
+    elif holder.alive():
+        report.kept.append({"path": path, "reason": f"lock held by live pid {holder.pid}"})
+        return
+    elif holder.alive() is None:
+        if older_than is None:
+            report.kept.append(
+                {"path": path, "reason": f"lock held on host {holder.host} (pass --older-than to break it)"}
+            )
+            return
         reason = f"soft lock of pid {holder.pid} on host {holder.host}, unrefreshed for {age:.0f} s"
+    else:
+        reason = f"soft lock of pid {holder.pid}, which is gone"
     if older_than is not None and age < older_than:
         report.kept.append({"path": path, "reason": f"lock {age:.0f} s old, younger than --older-than"})
         return
     done = not dry_run
     if not dry_run:
-        done = _remove_marker_if_unchanged(path, st, raw)
+        done = remove_if_unchanged(dir_fd, name, marker)
         if not done:
             report.kept.append({"path": path, "reason": "lock changed hands while gc looked at it"})
             return
     report.actions.append(
-        {"verb": "remove", "path": path, "reason": reason, "size": st.st_size, "done": done}
+        {"verb": "remove", "path": path, "reason": reason, "size": marker.st.st_size, "done": done}
     )
-
-
-def _remove_marker_if_unchanged(path: str, seen: os.stat_result, raw: bytes) -> bool:
-    # A contender may have broken the stale marker and taken the lock since we read it: remove only
-    # the very marker judged stale (same inode, same content).
-    try:
-        st = os.lstat(path)
-        with open(path, "rb") as f:
-            now_raw = f.read(_MARKER_MAX + 1)
-        if (st.st_ino, st.st_dev) != (seen.st_ino, seen.st_dev) or now_raw != raw:
-            return False
-        os.unlink(path)
-    except FileNotFoundError:
-        return False
-    return True
 
 
 def _print(report: Report) -> None:

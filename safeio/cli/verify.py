@@ -7,6 +7,7 @@ import sys
 from typing import Any
 
 from safeio._storage import manifest
+from safeio._storage.dirfd import held_directory
 from safeio._storage.location import Location, resolve
 from safeio._storage.readers import reader_for
 from safeio.cli._common import EXIT_OK, EXIT_PROBLEMS, print_json
@@ -80,7 +81,8 @@ def _unlisted(location: Location, record: dict[str, Any]) -> list[str]:
     if not location.is_local:
         return []
     listed = set(record["files"])
-    return [rel for rel in manifest.content_files(location.path) if rel not in listed]
+    with held_directory(location.path, follow=True) as fd:
+        return [rel for rel in manifest.content_files(fd) if rel not in listed]
 
 
 def _print(report: dict[str, Any]) -> None:

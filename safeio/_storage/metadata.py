@@ -1,0 +1,116 @@
+"""Reading safeio's metadata files (manifests, merge intents) as the untrusted input they are.
+
+Anyone who can write a shared directory can put anything under ``.safeio-manifest.json``: a FIFO (an
+open would wait for a writer forever), a link to ``/dev/zero`` or a huge file (read whole: out of memory),
+JSON nested 100,000 deep (a RecursionError), entries naming ``../../etc`` or of the wrong type. Every read
+here opens with ``O_NOFOLLOW|O_NONBLOCK``, requires a regular file, caps the size, parses within a depth
+bound, and validates the schema. What fails is ``Damaged``: reported by ``verify``, never complete, replaced
+by the next save, listed by ``gc`` — never a traceback, never a hang, never a path outside the directory.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from dataclasses import dataclass
+from typing import Any
+
+from safeio._storage.dirfd import is_component, is_relative_name, open_regular_file
+
+MANIFEST_CAP = 16 << 20  # a manifest of 100,000 files is about 10 MB
+INTENT_CAP = 16 << 20
+MAX_DEPTH = 64  # manifests nest 4 deep; a save's result value may nest a little more
+_SHA256 = re.compile(r"[0-9a-f]{64}")
+_STRINGS = re.compile(rb'"(?:[^"\\]|\\.)*"', re.DOTALL)
+_BRACKETS = re.compile(rb"[\[\]{}]")
+
+
+@dataclass(frozen=True)
+class Damaged:
+    """A metadata file that exists but cannot be trusted; ``reason`` says why, for reports."""
+
+    reason: str
+
+
+def read_json(dir_fd: int, name: str, cap: int) -> object | Damaged | None:
+    """The parsed JSON of ``name`` in ``dir_fd``; None when absent; Damaged for anything unusable."""
+    try:
+        fd, st = open_regular_file(dir_fd, name)
+    except FileNotFoundError:
+        return None
+    except OSError as exc:
+        return Damaged(f"{name} cannot be opened as a regular file ({exc.strerror or exc})")
+    try:
+        if st.st_size > cap:
+            return Damaged(f"{name} is {st.st_size} bytes, over the {cap}-byte limit")
+        data = os.read(fd, cap + 1)
+    except OSError as exc:
+        return Damaged(f"{name} cannot be read ({exc.strerror or exc})")
+    finally:
+        os.close(fd)
+    if len(data) > cap:
+        return Damaged(f"{name} is over the {cap}-byte limit")
+    if _depth(data) > MAX_DEPTH:
+        return Damaged(f"{name} nests deeper than {MAX_DEPTH} levels")
+    try:
+        parsed: object = json.loads(data)
+    except (ValueError, RecursionError) as exc:
+        return Damaged(f"{name} is not valid JSON ({exc})")
+    return parsed
+
+
+def _depth(data: bytes) -> int:
+    """The bracket depth of JSON text, strings skipped: checked before parsing, so no RecursionError."""
+    depth = deepest = 0
+    for bracket in _BRACKETS.findall(_STRINGS.sub(b'""', data)):
+        if bracket in (b"[", b"{"):
+            depth += 1
+            if depth > deepest:
+                deepest = depth
+                if deepest > MAX_DEPTH:
+                    break
+        else:
+            depth -= 1
+    return deepest
+
+
+def validate_manifest(record: object) -> dict[str, Any] | Damaged:
+    """A manifest whose ``files`` map normalised relative names to ``{"size": int, "sha256"?: hex}``."""
+    if not isinstance(record, dict) or not isinstance(record.get("files"), dict):
+        return Damaged("the manifest has no files table")
+    for rel, entry in record["files"].items():
+        if not is_relative_name(rel):
+            return Damaged(f"the manifest lists an entry that is not a name inside the directory: {rel!r}")
+        if not isinstance(entry, dict):
+            return Damaged(f"the manifest entry of {rel!r} is not a table")
+        size = entry.get("size")
+        if isinstance(size, bool) or not isinstance(size, int) or size < 0:
+            return Damaged(f"the manifest entry of {rel!r} has no valid size")
+        digest = entry.get("sha256")
+        if digest is not None and not (isinstance(digest, str) and _SHA256.fullmatch(digest)):
+            return Damaged(f"the manifest entry of {rel!r} has an invalid sha256")
+    call = record.get("call")
+    if call is not None and not isinstance(call, str):
+        return Damaged("the manifest's call id is not a string")
+    return record
+
+
+def validate_intent(record: object, target_name: str) -> dict[str, Any] | Damaged:
+    """A merge intent naming exactly ``target_name`` (the stage's own target) and normalised files."""
+    if not isinstance(record, dict):
+        return Damaged("the merge intent is not a table")
+    named = record.get("target_name")
+    if not is_component(named) or named != target_name:
+        return Damaged(f"the merge intent names {named!r}, not the stage's own target {target_name!r}")
+    files = record.get("files")
+    if not isinstance(files, list) or not all(is_relative_name(f) for f in files):
+        return Damaged("the merge intent's file list holds something that is not a name inside the stage")
+    return record
+
+
+def load_manifest(dir_fd: int, name: str) -> dict[str, Any] | Damaged | None:
+    parsed = read_json(dir_fd, name, MANIFEST_CAP)
+    if parsed is None or isinstance(parsed, Damaged):
+        return parsed
+    return validate_manifest(parsed)

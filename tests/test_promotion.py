@@ -13,7 +13,7 @@ import pytest
 import safeio
 from safeio._promotion.leftovers import recover_directory
 from safeio._storage import manifest
-from safeio._storage.names import NAME_MAX, parse, sibling_name
+from safeio._storage.names import NAME_MAX, parse, process_start, sibling_name
 
 
 def save(target: Path, files: dict[str, str], **options: object) -> None:
@@ -173,13 +173,20 @@ def test_stale_stages_of_dead_owners_are_swept_live_ones_kept(tmp_path: Path) ->
     other = subprocess.Popen([sys.executable, "-c", "import sys; sys.stdin.read()"], stdin=subprocess.PIPE)
     try:
         dead = tmp_path / sibling_name("tok", "stage").replace(f"-{os.getpid()}-", f"-{dead_pid()}-")
-        live = tmp_path / sibling_name("tok", "stage").replace(f"-{os.getpid()}-", f"-{other.pid}-")
+        # A live owner is its pid *and* its start time (a pid alone may have been reused since).
+        mine, theirs = (
+            f"-{os.getpid()}-{process_start(os.getpid())}-",
+            f"-{other.pid}-{process_start(other.pid)}-",
+        )
+        live = tmp_path / sibling_name("tok", "stage").replace(mine, theirs)
+        reused = tmp_path / sibling_name("tok", "stage").replace(mine, f"-{other.pid}-{process_start(1)}-")
         ours = tmp_path / sibling_name("tok", "old")  # left by an earlier save of this very process
         lookalike = tmp_path / ".tok.safeio-stage-notours"
-        for d in (dead, live, ours, lookalike):
+        for d in (dead, live, reused, ours, lookalike):
             d.mkdir()
         save(target, {"a": "1"})
         assert not dead.exists() and not ours.exists()
+        assert not reused.exists()  # the pid is alive, but it is a later process than the stage's owner
         assert live.exists() and lookalike.exists()
     finally:
         other.communicate(b"")

@@ -1,8 +1,11 @@
 """Names of everything safeio creates beside a target, and how to recognise them later.
 
-Every sibling is hidden and carries ``.safeio-`` plus its kind, the owner's host tag and pid, so that
-``safeio gc`` and the next save can tell a stale stage from a live one and never touch a file that
-safeio did not create. Names stay within NAME_MAX (255 bytes) however long the target's name is.
+Every sibling is hidden and carries ``.safeio-`` plus its kind, its owner's host tag, pid and process
+start time, so that ``safeio gc`` and the next save can tell a stale stage from a live one and never touch
+a file that safeio did not create. The host tag covers the PID namespace too: containers on one node share
+a host name, and a pid means nothing outside its namespace (gc once removed a live save of another
+container). The start time catches a pid reused by a later process. Names stay within NAME_MAX (255
+bytes) however long the target's name is.
 """
 
 from __future__ import annotations
@@ -19,20 +22,57 @@ NAME_MAX = 255
 Kind = Literal["stage", "old", "tmp", "link", "v"]
 KINDS: tuple[str, ...] = ("stage", "old", "tmp", "link", "v")
 
-# ".<base>.safeio-<kind>-<host8>-<pid>-<rand8>": the suffix is at most 44 bytes (pid up to 2**32).
-_SUFFIX_BUDGET = 48
+# ".<base>.safeio-<kind>-<host8>-<pid>-<start>-<rand8>": at most 58 bytes (pid up to 2**32, the start
+# time in base 36). Names written by earlier versions have no start field and still parse.
+_SUFFIX_BUDGET = 60
 _BASE_BUDGET = NAME_MAX - 1 - _SUFFIX_BUDGET
 _PATTERN = re.compile(
-    r"\.(?P<base>.*)\.safeio-(?P<kind>stage|old|tmp|link|v)-(?P<host>[0-9a-f]{8})-(?P<pid>[0-9]+)-(?P<rand>[0-9a-f]{8})",
+    r"\.(?P<base>.*)\.safeio-(?P<kind>stage|old|tmp|link|v)-(?P<host>[0-9a-f]{8})-(?P<pid>[0-9]+)"
+    r"(?:-(?P<start>[0-9a-z]{1,13}))?-(?P<rand>[0-9a-f]{8})",
     re.DOTALL,
 )
 LOCK_SUFFIX = ".safeio.lock"
 
 
+def _pid_namespace() -> str:
+    try:
+        return str(os.stat("/proc/self/ns/pid").st_ino)
+    except OSError:
+        return ""
+
+
+_NAMESPACE = _pid_namespace()
+
+
 def host_tag(hostname: str | None = None) -> str:
-    """Eight hex digits naming a host: long host names would not fit beside long target names."""
+    """Eight hex digits naming a host and this process's PID namespace (long host names would not fit
+    beside long target names)."""
     name = hostname if hostname is not None else socket.gethostname()
-    return hashlib.sha256(name.encode()).hexdigest()[:8]
+    return hashlib.sha256(f"{name}\0{_NAMESPACE}".encode()).hexdigest()[:8]
+
+
+def _base36(number: int) -> str:
+    digits = "0123456789abcdefghijklmnopqrstuvwxyz"
+    out = ""
+    while True:
+        number, rest = divmod(number, 36)
+        out = digits[rest] + out
+        if number == 0:
+            return out
+
+
+def process_start(pid: int) -> str | None:
+    """When process ``pid`` started (clock ticks since boot, base 36), or None if it cannot be read."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as stat:
+            fields = stat.read().rsplit(b")", 1)[1].split()
+        return _base36(int(fields[19]))  # field 22 of proc(5), counted after the command name
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+_OWN_PID = os.getpid()
+_OWN_START = process_start(_OWN_PID)
 
 
 def truncated_base(target_name: str) -> str:
@@ -44,7 +84,10 @@ def truncated_base(target_name: str) -> str:
 
 
 def sibling_name(target_name: str, kind: Kind) -> str:
-    return f".{truncated_base(target_name)}.safeio-{kind}-{host_tag()}-{os.getpid()}-{secrets.token_hex(4)}"
+    pid = os.getpid()
+    start = _OWN_START if pid == _OWN_PID else process_start(pid)  # a forked child starts anew
+    owner = f"{pid}-{start}" if start is not None else str(pid)
+    return f".{truncated_base(target_name)}.safeio-{kind}-{host_tag()}-{owner}-{secrets.token_hex(4)}"
 
 
 def lock_name(target_name: str) -> str:
@@ -60,22 +103,26 @@ class Sibling:
     kind: str
     host: str
     pid: int
+    start: str | None = None
 
     def belongs_to(self, target_name: str) -> bool:
         return self.base == truncated_base(target_name)
 
     def owner_is_alive(self) -> bool | None:
-        """True/False on the owner's host; None elsewhere (liveness cannot be probed across hosts)."""
+        """True/False on the owner's host and PID namespace; None elsewhere (it cannot be probed)."""
         if self.host != host_tag():
             return None
-        return pid_alive(self.pid)
+        if not pid_alive(self.pid):
+            return False
+        # The pid is alive; is it still the process that made the sibling, or a later one reusing it?
+        return self.start is None or process_start(self.pid) in (None, self.start)
 
 
 def parse(name: str) -> Sibling | None:
     match = _PATTERN.fullmatch(name)
     if match is None:
         return None
-    return Sibling(name, match["base"], match["kind"], match["host"], int(match["pid"]))
+    return Sibling(name, match["base"], match["kind"], match["host"], int(match["pid"]), match["start"])
 
 
 def is_version_pointee(pointee: str, target_name: str | None = None) -> bool:

@@ -87,7 +87,7 @@ def main(argv: list[str] | None = None) -> int:
     doc = {
         "meta": {
             "command": "python -m benchmarks " + " ".join(argv if argv is not None else sys.argv[1:]),
-            "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+            "date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC"),
             "machine": f"{platform.system()} {platform.machine()}, {os.cpu_count()} CPUs, Python {platform.python_version()}",
             "seconds": round(time.monotonic() - started, 1),
             "ran": chosen,

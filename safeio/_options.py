@@ -96,6 +96,9 @@ class SaveOptions:
     timeout: float = DEFAULT_TIMEOUT
     writer: int | None = None
     warn_after: float = DEFAULT_WARN_AFTER
+    # Read from the environment with the rest, so that a bad value is refused before any body runs.
+    lease_seconds: float = DEFAULT_LEASE_SECONDS
+    version_grace: float = DEFAULT_VERSION_GRACE
 
     @classmethod
     def of(
@@ -128,4 +131,6 @@ class SaveOptions:
             timeout=timeout_or_default(timeout),
             writer=writer,
             warn_after=warn_after_or_default(warn_after),
+            lease_seconds=lease_seconds(),
+            version_grace=version_grace(),
         )

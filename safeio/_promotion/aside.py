@@ -10,11 +10,12 @@ from __future__ import annotations
 
 import logging
 import os
+import stat
 from typing import Any
 
 from safeio._promotion.local import LocalPromotion
 from safeio._promotion.recovery import Action, Leftover
-from safeio._storage.dirfd import lstat_at
+from safeio._storage.dirfd import is_component, lstat_at
 from safeio._storage.fsops import remove_at
 from safeio._storage.names import sibling_name, truncated_base
 from safeio._who import who
@@ -54,7 +55,10 @@ class RenameAside(LocalPromotion):
             return Action("skip", leftover.path, "old version of a target whose long name was truncated")
         fd = leftover.parent_fd
         target = os.path.join(leftover.parent, name)
-        if lstat_at(fd, name) is None:
+        aside = lstat_at(fd, leftover.name)
+        # Only what safeio sets aside is put back: a directory or a file, never a planted link or FIFO.
+        restorable = aside is not None and (stat.S_ISDIR(aside.st_mode) or stat.S_ISREG(aside.st_mode))
+        if restorable and lstat_at(fd, name) is None:
             if not dry_run:
                 os.rename(leftover.name, name, src_dir_fd=fd, dst_dir_fd=fd)
                 if durable:
@@ -77,6 +81,10 @@ def _target_of(leftover: Leftover, target_name: str | None) -> str | None:
     if target_name is not None:
         return target_name
     base = leftover.sibling.base
-    if truncated_base(base) == base and len(base.encode("utf-8", "surrogateescape")) < 200:
+    if (
+        is_component(base)
+        and truncated_base(base) == base
+        and len(base.encode("utf-8", "surrogateescape")) < 200
+    ):
         return base
     return None  # the name was truncated: the target cannot be told from it

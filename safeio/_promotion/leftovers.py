@@ -15,6 +15,7 @@ from __future__ import annotations
 import os
 import time
 
+from safeio._errors import SafeIOError
 from safeio._promotion import active
 from safeio._promotion.aside import RenameAside
 from safeio._promotion.merge import Merge
@@ -71,10 +72,14 @@ def recover_directory(
     older_than: float | None = None,
     dry_run: bool = False,
     durable: bool = True,
+    keep_going: bool = False,
 ) -> list[Action]:
     """Recover every stale safeio sibling in ``parent`` (only ``target_name``'s, if given).
 
-    ``parent_fd``, if given, is ``parent`` held open; otherwise ``parent`` is opened here.
+    ``parent_fd``, if given, is ``parent`` held open; otherwise ``parent`` is opened here. A leftover
+    that cannot be recovered (a link planted where its roll-forward needs a directory, say) raises, or
+    with ``keep_going`` becomes a ``"failed"`` action and the others are still recovered: a writer must
+    not promote over a target it could not put right, while ``gc`` reports and goes on.
     """
     if parent_fd is None:
         try:
@@ -86,6 +91,7 @@ def recover_directory(
                     older_than=older_than,
                     dry_run=dry_run,
                     durable=durable,
+                    keep_going=keep_going,
                 )
         except FileNotFoundError:
             return []
@@ -98,9 +104,15 @@ def recover_directory(
     actions: list[Action] = []
     for sibling in siblings:
         stale, reason = staleness(sibling, parent, parent_fd, older_than, now)
-        if stale:
-            leftover = Leftover(sibling, parent, parent_fd, reason)
+        if not stale:
+            continue
+        leftover = Leftover(sibling, parent, parent_fd, reason)
+        try:
             actions.append(_recover_one(leftover, target_name, dry_run=dry_run, durable=durable))
+        except (OSError, SafeIOError) as exc:
+            if not keep_going:
+                raise
+            actions.append(Action("failed", leftover.path, str(exc)))
     for versioned in versioned_targets(parent_fd, target_name):
         actions.extend(prune(parent, parent_fd, versioned, dry_run=dry_run, now=now))
     return actions

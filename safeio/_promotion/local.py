@@ -197,7 +197,12 @@ class LocalPromotion(Promotion):
 
     @contextlib.contextmanager
     def _locked(self) -> Iterator[None]:
-        lock = make_lock(lock_path_for(self.parent, self.name), self.options.lock, self.lock_timeout())
+        lock = make_lock(
+            lock_path_for(self.parent, self.name),
+            self.options.lock,
+            self.lock_timeout(),
+            self.options.lease_seconds,
+        )
         with held(lock, self.target, self.rank):
             yield
 

@@ -17,6 +17,7 @@ stage, is refused rather than followed, and only regular files and links (moved 
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import logging
 import os
@@ -178,7 +179,8 @@ def _roll_leftover_forward(
 def roll_forward(stage_fd: int, target_fd: int, files: list[str], *, durable: bool) -> None:
     """Move every file of ``files`` still in the stage into the target, in order (names, not paths).
 
-    Only regular files and links move; a directory on the way that is a link raises (ELOOP/ENOTDIR).
+    Only regular files and links move, from real directories of the stage; in the target, a directory
+    on the way that is a link or a file raises (ELOOP/ENOTDIR).
     """
     synced: set[str] = set()
     for rel in files:
@@ -187,6 +189,10 @@ def roll_forward(stage_fd: int, target_fd: int, files: list[str], *, durable: bo
             src = open_relative_directory(stage_fd, rel_dir)
         except FileNotFoundError:
             continue  # its directory was already emptied before the crash
+        except OSError as exc:
+            if exc.errno not in (errno.ELOOP, errno.ENOTDIR):
+                raise
+            continue  # a link or a file where the stage had a directory: planted, never followed
         try:
             st = lstat_at(src, name)
             if st is None or not (stat.S_ISREG(st.st_mode) or stat.S_ISLNK(st.st_mode)):

@@ -15,7 +15,7 @@ from safeio._storage.names import Sibling
 class Action:
     """Something recovery did (or, in a dry run, would do)."""
 
-    verb: str  # "remove", "restore", "roll-forward", "skip"
+    verb: str  # "remove", "restore", "roll-forward", "skip", "failed" (reason: the error)
     path: str
     reason: str
     size: int = 0

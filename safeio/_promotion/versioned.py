@@ -62,7 +62,7 @@ class Versioned(LocalPromotion):
         if self.options.durable:
             os.fsync(pfd)
         self.phase("cleanup")
-        prune(self.parent, pfd, name)
+        prune(self.parent, pfd, name, grace=self.options.version_grace)
 
     def _replace_existing(self, stage: str, entries: dict[str, dict[str, Any]]) -> None:
         self._promote(stage, entries)  # _promote handles a present and an absent target alike

@@ -58,7 +58,11 @@ class _SoftFileLease(filelock.SoftFileLease):
                 os.rename(aside, lock_file)
 
 
-def make_lock(path: str, setting: LockSetting, timeout: float) -> filelock.BaseFileLock | None:
+def make_lock(
+    path: str, setting: LockSetting, timeout: float, lease_duration: float | None = None
+) -> filelock.BaseFileLock | None:
+    """The lock ``setting`` names for ``path``; a lease lives ``lease_duration`` s (default: from the
+    environment)."""
     if setting is False:
         return None
     kind = setting
@@ -69,7 +73,11 @@ def make_lock(path: str, setting: LockSetting, timeout: float) -> filelock.BaseF
     if kind == "flock":
         return filelock.FileLock(path, timeout=timeout)
     if kind == "lease":
-        return _SoftFileLease(path, timeout=timeout, lease_duration=lease_seconds())
+        return _SoftFileLease(
+            path,
+            timeout=timeout,
+            lease_duration=lease_seconds() if lease_duration is None else lease_duration,
+        )
     if kind == "strict":
         return filelock.StrictSoftFileLock(path, timeout=timeout)
     raise ValueError(f"lock must be True, False, 'auto', 'flock', 'lease' or 'strict', got {setting!r}")

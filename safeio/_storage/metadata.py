@@ -49,12 +49,19 @@ def read_json(dir_fd: int, name: str, cap: int) -> object | Damaged | None:
         return Damaged(f"{name} cannot be read ({exc.strerror or exc})")
     finally:
         os.close(fd)
+    return parse_json(data, name, cap)
+
+
+def parse_json(data: bytes, name: str, cap: int) -> object | Damaged:
+    """``data`` (the content of ``name``) parsed as JSON within the size cap and depth bound."""
     if len(data) > cap:
         return Damaged(f"{name} is over the {cap}-byte limit")
     if _depth(data) > MAX_DEPTH:
         return Damaged(f"{name} nests deeper than {MAX_DEPTH} levels")
     try:
-        parsed: object = json.loads(data)
+        # Decoded here as the UTF-8 safeio writes: json.loads(bytes) would guess UTF-16/32 from the
+        # first bytes and import a codec for it.
+        parsed: object = json.loads(data.decode("utf-8"))
     except (ValueError, RecursionError) as exc:
         return Damaged(f"{name} is not valid JSON ({exc})")
     return parsed

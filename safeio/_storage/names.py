@@ -133,8 +133,11 @@ def is_version_pointee(pointee: str, target_name: str | None = None) -> bool:
     return target_name is None or sibling.belongs_to(target_name)
 
 
+PID_MAX_LIMIT = 1 << 22  # no Linux pid is larger (a crafted name may say anything)
+
+
 def pid_alive(pid: int) -> bool:
-    if pid <= 0:
+    if pid <= 0 or pid > PID_MAX_LIMIT:
         return False
     try:
         os.kill(pid, 0)

@@ -8,13 +8,13 @@ them; the writing side is ``safeio._promotion``.
 
 from __future__ import annotations
 
-import json
 import os
 from abc import ABC, abstractmethod
 from typing import Any
 
 from safeio._storage import manifest
 from safeio._storage.location import Location, resolve
+from safeio._storage.metadata import MANIFEST_CAP, Damaged, parse_json, validate_manifest
 from safeio._storage.names import is_version_pointee
 
 
@@ -92,11 +92,16 @@ class ObjectStoreReader(TargetReader):
         return True
 
     def manifest(self) -> dict[str, Any] | None:
+        key = self._key(manifest.MANIFEST_NAME)
         try:
-            data = json.loads(self.fs.cat_file(self._key(manifest.MANIFEST_NAME)))
+            if self.fs.size(key) > MANIFEST_CAP:
+                return None
+            raw = self.fs.cat_file(key, end=MANIFEST_CAP + 1)
         except (OSError, ValueError):
             return None
-        return data if isinstance(data, dict) and isinstance(data.get("files"), dict) else None
+        parsed = parse_json(raw, manifest.MANIFEST_NAME, MANIFEST_CAP)
+        record = validate_manifest(parsed) if not isinstance(parsed, Damaged) else parsed
+        return None if isinstance(record, Damaged) else record
 
     def problems(self, record: dict[str, Any], *, check_hashes: bool) -> list[str]:
         # Object stores keep their own checksums; sizes are what a half-finished upload gets wrong.

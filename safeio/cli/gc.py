@@ -116,13 +116,18 @@ def _collect(
     directory: str, dir_fd: int, names: list[str], report: Report, older_than: float | None, dry_run: bool
 ) -> None:
     try:
-        actions = recover_directory(directory, parent_fd=dir_fd, older_than=older_than, dry_run=dry_run)
+        actions = recover_directory(
+            directory, parent_fd=dir_fd, older_than=older_than, dry_run=dry_run, keep_going=True
+        )
     except OSError as exc:
         report.errors.append({"path": directory, "error": exc.strerror or str(exc)})
         actions = []
     acted = set()
     for action in actions:
         acted.add(action.path)
+        if action.verb == "failed":
+            report.errors.append({"path": action.path, "error": action.reason})
+            continue
         report.actions.append(_action_dict(action, dry_run))
         if not dry_run and action.verb == "remove" and lstat_at(dir_fd, os.path.basename(action.path)):
             # remove_tree gave up: an NFS reader still holds a silly-renamed .nfs* file inside.

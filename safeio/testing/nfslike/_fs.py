@@ -120,7 +120,9 @@ class NfsLikeFS(mfusepy.Operations):  # type: ignore[misc]  # mfusepy is untyped
     def _give_to_caller(self, real: str) -> None:
         if self._chown_new:
             uid, gid, _ = mfusepy.fuse_get_context()
-            if uid or gid:
+            if os.stat(os.path.dirname(real)).st_mode & stat.S_ISGID:
+                gid = -1  # a setgid directory gives new entries its own group, as on a local disk
+            if uid or gid > 0:
                 os.chown(real, uid, gid, follow_symlinks=False)
 
     def _handle(self, fh: int | None) -> Handle | None:

@@ -233,6 +233,8 @@ class LocalPromotion(Promotion):
 
         ``replicated(".")`` in replace mode would otherwise empty the working directory it runs in.
         """
+        if self.stage_fd >= 0:
+            return  # checked before the stage was made; the working and home directories are the caller's
         target = self.target
         candidates = {target, os.path.realpath(target)}
         for what, path in (

@@ -112,6 +112,8 @@ class Sibling:
         """True/False on the owner's host and PID namespace; None elsewhere (it cannot be probed)."""
         if self.host != host_tag():
             return None
+        if self.pid == _OWN_PID == os.getpid():  # this very process (every save's own stage): no /proc
+            return self.start is None or self.start == _OWN_START
         if not pid_alive(self.pid):
             return False
         # The pid is alive; is it still the process that made the sibling, or a later one reusing it?

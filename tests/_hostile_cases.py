@@ -395,27 +395,33 @@ def baseline_2_naive_permission_fix_follows_a_swapped_stage(share: Share) -> Non
 # ---- 3. metadata opened blindly -------------------------------------------------------------------
 
 
+def plant(path: Path, how: str, wrong_types: object = None) -> None:
+    """Put something damaged under ``path``: not a regular file, too big, too deep, or not valid."""
+    if how == "fifo":
+        os.mkfifo(path)
+    elif how == "dev-zero":
+        os.symlink("/dev/zero", path)
+    elif how == "huge":
+        with open(path, "wb") as f:
+            f.truncate(64 << 20)  # sparse: costs nothing to make, 64 MB to read
+    elif how == "deep":
+        path.write_text('{"files": ' + "[" * 100_000 + "]" * 100_000 + "}")
+    elif how == "not-json":
+        path.write_bytes(b"\xff\xfe garbage")
+    else:
+        path.write_text(json.dumps(wrong_types))
+
+
 def _damage(target: Path, how: str, share: Share) -> None:
     manifest = target / MANIFEST_NAME
     manifest.unlink()
-    if how == "fifo":
-        os.mkfifo(manifest)
-    elif how == "dev-zero":
-        os.symlink("/dev/zero", manifest)
-    elif how == "huge":
-        with open(manifest, "wb") as f:
-            f.truncate(64 << 20)  # sparse: costs nothing to make, 64 MB to read
-    elif how == "deep":
-        manifest.write_text("[" * 100_000 + "]" * 100_000)
-    elif how == "wrong-types":
-        manifest.write_text(json.dumps({"files": {"a.txt": {"size": "big"}, "b\0c": {"size": 1}, "d": 5}}))
+    if how == "wrong-types":
+        plant(manifest, how, {"files": {"a.txt": {"size": "big"}, "b\0c": {"size": 1}, "d": 5}})
     elif how == "escaping-names":
         rel = os.path.relpath(share.key, target)
-        manifest.write_text(json.dumps({"files": {rel: {"size": 1}, "/etc/passwd": {"size": 1}}}))
-    elif how == "not-json":
-        manifest.write_bytes(b"\xff\xfe garbage")
+        plant(manifest, how, {"files": {rel: {"size": 1}, "/etc/passwd": {"size": 1}}})
     else:
-        raise ValueError(how)
+        plant(manifest, how)
 
 
 DAMAGE = ("fifo", "dev-zero", "huge", "deep", "wrong-types", "escaping-names", "not-json")
@@ -462,20 +468,7 @@ def case3_damaged_intents_are_removed_not_followed(share: Share) -> None:
     for how in ("fifo", "dev-zero", "huge", "deep", "wrong-types", "not-json"):
         stage = stale_sibling(share.share, "ckpt")
         stage.mkdir()
-        intent = stage / MERGE_INTENT_NAME
-        if how == "fifo":
-            os.mkfifo(intent)
-        elif how == "dev-zero":
-            os.symlink("/dev/zero", intent)
-        elif how == "huge":
-            with open(intent, "wb") as f:
-                f.truncate(64 << 20)
-        elif how == "deep":
-            intent.write_text('{"target_name": "ckpt", "files": ' + "[" * 100_000 + "]" * 100_000 + "}")
-        elif how == "wrong-types":
-            intent.write_text(json.dumps({"target_name": "ckpt", "files": [1, None, {"a": "b"}]}))
-        else:
-            intent.write_bytes(b"\x00\x01")
+        plant(stage / MERGE_INTENT_NAME, how, {"target_name": "ckpt", "files": [1, None, {"a": "b"}]})
     code, text = cli("gc", str(share.share))
     assert code in (0, 1), text
     assert not siblings(share.share, "stage"), text

@@ -69,7 +69,7 @@ MANIFEST_LIKE = st.fixed_dictionaries(
             max_size=4,
         )
     },
-    optional={"call": JSON, "writer": JSON},
+    optional={"call": JSON, "writer": JSON, "calls": JSON | st.lists(st.dictionaries(HOSTILE_NAMES, JSON))},
 )
 INTENT_LIKE = st.fixed_dictionaries(
     {"target_name": HOSTILE_NAMES | JSON, "files": st.lists(HOSTILE_NAMES, max_size=4) | JSON}

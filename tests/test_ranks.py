@@ -164,16 +164,16 @@ def _rank0_exits_first(rank: int, world: int, target: str) -> bool:
     store = c10d._get_default_store()
     if rank == 0:
         store.set("rank0-pid", str(os.getpid()))
-        with safeio.replicated(target, timeout=30) as stage:
-            Path(stage.path, "f").write_text("x")
+    else:
+        pid = int(store.get("rank0-pid"))
+        deadline = time.monotonic() + 30
+        while os.path.exists(f"/proc/{pid}") and time.monotonic() < deadline:
+            time.sleep(0.05)  # bounded poll: rank 0 is not our child, so there is no wait() to block on
+    with safeio.replicated(target, timeout=30) as stage:  # one save, made from one line on every rank
+        Path(stage.path, "f").write_text("x" if stage.is_writer else "ignored")
+    if rank == 0:
         dist.destroy_process_group()
         os._exit(0)  # like the end of a run: the store goes with this process
-    pid = int(store.get("rank0-pid"))
-    deadline = time.monotonic() + 30
-    while os.path.exists(f"/proc/{pid}") and time.monotonic() < deadline:
-        time.sleep(0.05)  # bounded poll: rank 0 is not our child, so there is no wait() to block on
-    with safeio.replicated(target, timeout=30) as stage:
-        Path(stage.path, "f").write_text("ignored")
     return safeio.is_complete(target)
 
 

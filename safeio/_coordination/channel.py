@@ -1,7 +1,8 @@
 """One save's line from the writer to its peers: progress phases and the final outcome.
 
-The writer *publishes* (a key in the group's store, named by the target and a per-process call counter)
-and never waits; a non-writer that made the same call waits for that key, in bounded slices, logging
+The writer *publishes* (a key in the group's store, named by the target, the save's identity — which call
+makes it, see ``safeio._saves.identity`` — and how many saves of that identity came before) and never
+waits; a non-writer that made the same call waits for that key, in bounded slices, logging
 while it waits. If the store becomes unreachable (rank 0 hosts the TCPStore and may exit as soon as it
 has published), or the group has no store at all, the non-writer falls back to watching the promoted
 target on the filesystem. Every wait ends by ``timeout`` with a PeerTimeout that says what the writer
@@ -10,6 +11,7 @@ was last doing.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
@@ -35,7 +37,7 @@ _FIRST_PAUSE = 0.05
 _LOG_EVERY = 30.0
 
 _counter_lock = threading.Lock()
-_counters: dict[str, int] = {}
+_counters: dict[tuple[str, str], int] = {}
 
 
 def target_digest(target_url: str) -> str:
@@ -114,12 +116,15 @@ def _is_store_timeout(error: BaseException) -> bool:
 class Channel:
     """The keys of one call (target, sequence number) in the group's store."""
 
-    def __init__(self, group: Group, target_url: str, seq: int) -> None:
+    def __init__(self, group: Group, target_url: str, identity: str, seq: int) -> None:
         self.group = group
         self.target_url = target_url
+        self.identity = identity
         self.seq = seq
         self.digest = target_digest(target_url)
+        self.identity_digest = hashlib.sha256(identity.encode()).hexdigest()[:12]
         self.key = self._key(seq)
+        self.last_key = f"safeio/{self.digest}/last"
         self.phase_key = self.key + "/phase"
         self.ack_key = self.key + "/acks"
         self.phase = "start"
@@ -128,19 +133,20 @@ class Channel:
         self._publishing = threading.Lock()  # safeio.watchdog: see heartbeat
 
     @classmethod
-    def open(cls, group: Group, target_url: str) -> Channel:
-        """The next call on ``target_url`` from this process (every rank counts its own calls)."""
+    def open(cls, group: Group, target_url: str, identity: str) -> Channel:
+        """The next save of ``target_url`` with ``identity`` from this process: every rank numbers the
+        saves of each identity, and only those, so saves other ranks never make do not shift the count."""
         with _counter_lock:
-            seq = _counters[target_url] = _counters.get(target_url, 0) + 1
-        return cls(group, target_url, seq)
+            seq = _counters[target_url, identity] = _counters.get((target_url, identity), 0) + 1
+        return cls(group, target_url, identity, seq)
 
     def _key(self, seq: int) -> str:
-        return f"safeio/{self.digest}/{seq}"
+        return f"safeio/{self.digest}/{self.identity_digest}/{seq}"
 
     @property
     def call_id(self) -> str:
         """Recorded in the manifest, so a store-less peer can recognise *this* save's result on disk."""
-        return f"{job_id()}/{self.digest}/{self.seq}"
+        return f"{job_id()}/{self.digest}/{self.identity_digest}/{self.seq}"
 
     # -- writer side -------------------------------------------------------------------------------
 
@@ -181,6 +187,9 @@ class Channel:
             return
         try:
             store.set(self.key, outcome.encode())
+            # For a peer's timeout message: what this writer last saved of the target.
+            last = {"identity": self.identity, "seq": self.seq, "ok": outcome.ok}
+            store.set(self.last_key, json.dumps(last))
         except Exception as exc:
             # Peers fall back to the filesystem (or time out with a PeerTimeout naming this rank).
             logger.warning(
@@ -312,14 +321,32 @@ class Channel:
         record = self._writer_record()
         if record is None:
             return (
-                f"rank {writer} has published nothing for save #{self.seq} of {self.target_url} "
-                "(it has not reached this save, or it calls the save a different number of times)"
+                f"rank {writer} has published nothing for this save ({self._this_save()}); "
+                f"{self._last_published(writer)}"
             )
         now = time.time()
         return (
             f"rank {writer} ({record.get('host')} pid {record.get('pid')}) has been in "
             f"{record.get('phase')} of {self.target_url} for {now - float(record.get('since', now)):.0f} s "
             f"(last heard {now - float(record.get('heard', now)):.0f} s ago)"
+        )
+
+    def _this_save(self) -> str:
+        return f"#{self.seq} of {self.identity}"
+
+    def _last_published(self, writer: int) -> str:
+        store = self.group.store
+        last = None
+        with contextlib.suppress(Exception):
+            if store is not None and store.check([self.last_key]):
+                last = json.loads(store.get(self.last_key))
+        if not isinstance(last, dict):
+            return f"it has published no save of {self.target_url} yet"
+        outcome = "succeeded" if last.get("ok") else "failed"
+        return (
+            f"the last save of {self.target_url} it published was #{last.get('seq')} of "
+            f"{last.get('identity')} ({outcome}); it has not reached this save, or makes it from other code "
+            "or fewer times than this rank"
         )
 
     def _timeout(self, waited: float) -> PeerTimeout:

@@ -125,26 +125,27 @@ def _wrap(name: str, original: Callable[..., Any]) -> Callable[..., Any]:
     return guarded
 
 
-def _install() -> None:
+def _collectives() -> Iterator[tuple[Any, str, Any]]:
+    """(module, name, current function) of every collective of the imported torch.distributed modules."""
     for module_name in _MODULES:
         module = sys.modules.get(module_name)
         if module is None:
             continue
         for name in COLLECTIVES:
             current = getattr(module, name, None)
-            if current is None or hasattr(current, "__safeio_original__"):
-                continue
+            if current is not None:
+                yield module, name, current
+
+
+def _install() -> None:
+    for module, name, current in _collectives():
+        if not hasattr(current, "__safeio_original__"):
             setattr(module, name, _wrap(name, current))
 
 
 def _uninstall() -> None:
-    for module_name in _MODULES:
-        module = sys.modules.get(module_name)
-        if module is None:
-            continue
-        for name in COLLECTIVES:
-            current = getattr(module, name, None)
-            original = getattr(current, "__safeio_original__", None)
-            # Only our own wrapper: whoever patched the name after us (a test's monkeypatch) keeps theirs.
-            if original is not None:
-                setattr(module, name, original)
+    for module, name, current in _collectives():
+        original = getattr(current, "__safeio_original__", None)
+        # Only our own wrapper: whoever patched the name after us (a test's monkeypatch) keeps theirs.
+        if original is not None:
+            setattr(module, name, original)

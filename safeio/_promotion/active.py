@@ -2,19 +2,22 @@
 
 A processor's ``save_pretrained`` saves its tokenizer into the same directory; under the patch that
 nested call would otherwise open a second stage, take the lock again and wait for peers that never
-make the nested call (they skipped the outer body). Nested saves get no stage, lock, counter or wait.
+make the nested call (they skipped the outer body). Nested saves get no stage, lock, identity or wait.
+Nesting is per thread: a save of the same directory from another thread at the same time (a background
+checkpoint thread) is a save of its own, not part of the one running here.
 """
 
 from __future__ import annotations
 
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 
 @dataclass(frozen=True)
 class ActiveStage:
     target: str  # absolute local path or URL
     stage: str  # local path
+    thread: int = field(default_factory=threading.get_ident)  # the thread whose body writes into it
 
 
 _lock = threading.Lock()
@@ -30,9 +33,12 @@ def _within(path: str, root: str) -> str | None:
 
 
 def redirect(path: str) -> str | None:
-    """Where ``path`` lives inside an active stage, or None if no active stage covers it."""
+    """Where ``path`` lives inside an active stage of this thread, or None if none covers it."""
+    thread = threading.get_ident()
     with _lock:
         for entry in reversed(_active):
+            if entry.thread != thread:
+                continue
             rel = _within(path, entry.stage)
             if rel is not None:
                 return path

@@ -119,7 +119,8 @@ def save_through(
         # with no second stage, lock, counter or wait (peers never make this nested call).
         return method(nested, *args, **hf_kwargs)
     is_model = _is_model(obj)
-    with ReplicatedSave(location.given, options, group=group) as stage:
+    what = f"{type(obj).__module__}.{type(obj).__qualname__}"
+    with ReplicatedSave(location.given, options, group=group, what=what) as stage:
         if is_model:
             # state_dict gathering may be collective: every rank calls, only the writer's stage is kept.
             hf_kwargs = {**hf_kwargs, "is_main_process": stage.is_writer}

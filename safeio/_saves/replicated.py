@@ -10,6 +10,7 @@ the promotion and the visibility check differ.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import shutil
@@ -27,8 +28,10 @@ from safeio._options import SaveOptions
 from safeio._promotion import active
 from safeio._promotion.atomic_file import FilePromotion, file_promotion_for
 from safeio._promotion.resolver import promotion_for
+from safeio._saves.identity import save_identity
 from safeio._saves.visibility import DirectoryVisibility, FileVisibility
 from safeio._storage.location import Location, resolve
+from safeio._who import who
 
 logger = logging.getLogger("safeio")
 
@@ -75,10 +78,12 @@ class ReplicatedSave:
         *,
         group: Any = None,
         kind: Kind = "directory",
+        what: str | None = None,
     ) -> None:
         self.location: Location = resolve(target)
         self.options = options
         self.kind = kind
+        self.what = what  # the type of the object saved, when there is one (part of the save's identity)
         self._group_arg = group
         self._stage: Stage | None = None
         self._entry: active.ActiveStage | None = None
@@ -100,7 +105,7 @@ class ReplicatedSave:
         if nested is not None:
             self._stage = Stage(nested, target_key, group.is_writer, group, nested=True)
             return self._stage
-        channel = self._channel = Channel.open(group, target_key)
+        channel = self._channel = Channel.open(group, target_key, save_identity(self.what))
         if group.is_writer:
             path = self._enter_writer(channel, group)
         else:
@@ -204,6 +209,7 @@ class ReplicatedSave:
 
     def _exit_peer(self, stage: Stage, channel: Channel, exc: BaseException | None) -> None:
         scratch = stage.path if self.kind == "directory" else os.path.dirname(stage.path)
+        own = scratch_files(scratch) if self.kind == "directory" and exc is None else {}
         shutil.rmtree(scratch, ignore_errors=True)
         if exc is not None:
             return  # this rank's own error; the writer never waits for it
@@ -215,6 +221,8 @@ class ReplicatedSave:
         # NFS: this rank may be another client whose attribute/dentry cache still shows the old version
         # for a while after the writer promoted. Return only once this save is visible from here.
         channel.wait_visible(visibility.landed, started + self.timeout)
+        if own and isinstance(visibility, DirectoryVisibility):
+            warn_if_different(own, visibility.landed_files(), stage)
 
 
 def replicated(
@@ -249,3 +257,30 @@ def replicated(
         warn_after=warn_after,
     )
     return ReplicatedSave(target, options, group=group)
+
+
+def scratch_files(scratch: str) -> dict[str, int]:
+    """What this peer's own body wrote (SPMD bodies write on every rank): relative name -> size."""
+    found: dict[str, int] = {}
+    for dirpath, _, names in os.walk(scratch):
+        for name in names:
+            path = os.path.join(dirpath, name)
+            with contextlib.suppress(OSError):
+                found[os.path.relpath(path, scratch)] = os.lstat(path).st_size
+    return found
+
+
+def warn_if_different(own: dict[str, int], landed: dict[str, int] | None, stage: Stage) -> None:
+    """A "replicated" object that is not the same on every rank is a bug in the job: say which files."""
+    if landed is None:
+        return  # no manifest to compare with (manifest=False)
+    differ = sorted(rel for rel, size in own.items() if landed.get(rel) != size)
+    if differ:
+        logger.warning(
+            "%s: this rank's save of %s would have written %s differently from the writer's (missing there "
+            "or another size): the object saved is not the same on every rank; the writer's version is "
+            "the one saved",
+            who(stage.group.rank),
+            stage.target,
+            ", ".join(differ[:10]) + (f" and {len(differ) - 10} more" if len(differ) > 10 else ""),
+        )

@@ -3,7 +3,8 @@
 Used when there is no store to hear the outcome from (``RANK``/``WORLD_SIZE`` only), when the store has
 gone (rank 0 hosts it and may exit as soon as it has published), and after a successful outcome, to
 return only once the new version is visible from this rank (NFS client caches lag behind the writer).
-A save is recognised by the call id its writer recorded in the manifest.
+A save is recognised by the call id its writer recorded in the manifest (the save's identity and
+number).
 """
 
 from __future__ import annotations
@@ -18,8 +19,9 @@ from safeio._storage.readers import reader_for
 def call_covers(recorded: object, awaited: str) -> bool:
     """Whether a manifest written by save ``recorded`` shows that save ``awaited`` has happened.
 
-    Call ids are ``job/target-digest/sequence``. A later save of the same target in the same job also
-    counts: the writer may have saved twice and exited before a slow peer looked (its store gone).
+    Call ids are ``job/target-digest/identity-digest/sequence``. A later save with the same identity in
+    the same job also counts: the writer may have saved twice and exited before a slow peer looked (its
+    store gone).
     """
     if not isinstance(recorded, str):
         return False
@@ -41,32 +43,51 @@ class DirectoryVisibility:
         # The manifest's call id when this peer entered the save: any other complete version seen later
         # was promoted since, by our writer or a newer save (a rival job's), and ends the wait.
         self.seen_at_start: object = None
+        self._landed: dict[str, Any] | None = None
+        self._landed_call: dict[str, Any] | None = None
 
     def note_entry(self) -> None:
         if self.manifest:
-            self.seen_at_start = self._recorded("call")
+            record = self._reader.manifest()
+            self.seen_at_start = record.get("call") if record else None
 
-    def _recorded(self, key: str) -> Any:
-        record = self._reader.manifest()
-        return record.get(key) if record else None
-
-    def _is_newer(self, recorded: object) -> bool:
-        if call_covers(recorded, self.call_id):
-            return True
-        return recorded is not None and recorded != self.seen_at_start
+    def _covering(self, record: dict[str, Any]) -> dict[str, Any] | None:
+        """The call record of ``record`` that shows this save landed, if any."""
+        calls = record.get("calls") or [{"call": record.get("call"), "result": record.get("result")}]
+        for call in reversed(calls):
+            if call_covers(call.get("call"), self.call_id):
+                return dict(call)
+        recorded = record.get("call")
+        rival = isinstance(recorded, str) and _job(recorded) != _job(self.call_id)
+        if rival and recorded != self.seen_at_start:
+            # Another job's save promoted since this peer entered (a rival writer): the wait is over.
+            return {"call": recorded, "result": record.get("result")}
+        return None
 
     def landed(self) -> bool:
         if not self.manifest:
             return self._reader.exists()
         record = self._reader.manifest()
-        return (
-            record is not None
-            and self._is_newer(record.get("call"))
-            and not self._reader.problems(record, check_hashes=False)
-        )
+        if record is None:
+            return False
+        call = self._covering(record)
+        if call is None or self._reader.problems(record, check_hashes=False):
+            return False
+        self._landed, self._landed_call = record, call
+        return True
+
+    def landed_files(self) -> dict[str, int] | None:
+        """The files (name -> size) of the version ``landed`` last saw, or None without a manifest."""
+        if self._landed is None:
+            return None
+        return {rel: entry["size"] for rel, entry in self._landed["files"].items()}
 
     def result(self) -> Any:
-        return self._recorded("result")
+        return self._landed_call.get("result") if self._landed_call else None
+
+
+def _job(call_id: str) -> str:
+    return call_id.split("/", 1)[0]
 
 
 class FileVisibility:

@@ -75,6 +75,9 @@ def describe_files(dir_fd: int, *, hashes: bool) -> dict[str, dict[str, Any]]:
     return entries
 
 
+KEEP_CALLS = 32
+
+
 def build(
     files: dict[str, dict[str, Any]],
     *,
@@ -90,11 +93,18 @@ def build(
     """
     merged = dict(previous.get("files", {})) if previous else {}
     merged.update(files)
+    this_call: dict[str, Any] = {"call": call}
+    if result is not None:
+        this_call["result"] = result
+    # The recent saves whose files this version holds (a merge keeps the others'): a peer waiting for
+    # one of them finds it here even after another save of the directory came after it.
+    calls = [*(previous.get("calls", []) if previous else []), this_call][-KEEP_CALLS:]
     record = {
         "format": FORMAT,
         "files": dict(sorted(merged.items())),
         "writer": {"host": socket.gethostname(), "pid": os.getpid(), "rank": rank},
         "call": call,
+        "calls": calls,
         "time": time.time(),
     }
     if result is not None:

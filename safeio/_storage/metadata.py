@@ -100,6 +100,11 @@ def validate_manifest(record: object) -> dict[str, Any] | Damaged:
     call = record.get("call")
     if call is not None and not isinstance(call, str):
         return Damaged("the manifest's call id is not a string")
+    calls = record.get("calls", [])
+    if not isinstance(calls, list) or not all(
+        isinstance(c, dict) and isinstance(c.get("call"), str) for c in calls
+    ):
+        return Damaged("the manifest's list of calls is not a list of call records")
     return record
 
 

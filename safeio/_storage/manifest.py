@@ -113,7 +113,8 @@ def build(
 
 
 def dumps(manifest: dict[str, Any]) -> bytes:
-    return json.dumps(manifest, indent=1, sort_keys=True).encode()
+    # Compact: without indent, json uses its C encoder (an indented manifest cost 0.3 ms per merge save).
+    return json.dumps(manifest, separators=(",", ":"), sort_keys=True).encode()
 
 
 def write(dir_fd: int, manifest: dict[str, Any], *, durable: bool) -> None:

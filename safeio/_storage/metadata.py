@@ -69,6 +69,8 @@ def parse_json(data: bytes, name: str, cap: int) -> object | Damaged:
 
 def _depth(data: bytes) -> int:
     """The bracket depth of JSON text, strings skipped: checked before parsing, so no RecursionError."""
+    if data.count(b"[") + data.count(b"{") <= MAX_DEPTH:
+        return 0  # cannot nest deeper than it has brackets (the usual manifest: no scan needed)
     depth = deepest = 0
     for bracket in _BRACKETS.findall(_STRINGS.sub(b'""', data)):
         if bracket in (b"[", b"{"):

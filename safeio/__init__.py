@@ -13,15 +13,19 @@ else is private and layered, each layer importing only the ones before it:
     _diagnostics/    the watchdog, writer-only sections, the audit sanitizer
     _saves/          the entry points: the replicated flow, save_pretrained and its patch, torch_save,
                      atomic_open
+    _checkpoints/    whole checkpoints (every rank's files, one commit, latest, retention) on the above
 """
 
 from __future__ import annotations
 
+from safeio._checkpoints.checkpoints import Checkpoint, Checkpoints
+from safeio._checkpoints.pointer import write_pointer
 from safeio._coordination.group import Group, current_group
 from safeio._diagnostics.audit import audit
 from safeio._diagnostics.audit import install_at_import as _install_audit_from_environment
 from safeio._diagnostics.collectives import writer_only_section
 from safeio._errors import (
+    CheckpointError,
     CollectiveInWriterSection,
     InvalidOptionError,
     InvalidTargetError,
@@ -47,6 +51,9 @@ __version__ = "0.1.0"
 _install_audit_from_environment()
 
 __all__ = [
+    "Checkpoint",
+    "CheckpointError",
+    "Checkpoints",
     "CollectiveInWriterSection",
     "Group",
     "InvalidOptionError",
@@ -71,5 +78,6 @@ __all__ = [
     "snapshot",
     "torch_save",
     "verify",
+    "write_pointer",
     "writer_only_section",
 ]

@@ -105,6 +105,23 @@ class RemoteWriterError(SafeIOError):
         self.error_message = error_message
 
 
+class CheckpointError(SafeIOError, RuntimeError):
+    """A checkpoint was not committed: ranks failed (``failed``: rank -> error) or never reported
+    (``missing``). Raised on every rank; nothing is committed and ``latest`` is unchanged."""
+
+    def __init__(
+        self,
+        message: str,
+        path: str | os.PathLike[str] | None = None,
+        *,
+        failed: dict[int, str] | None = None,
+        missing: list[int] | None = None,
+    ) -> None:
+        super().__init__(message, path)
+        self.failed = dict(failed or {})
+        self.missing = list(missing or [])
+
+
 class CollectiveInWriterSection(SafeIOError, RuntimeError):
     """A torch.distributed collective was called while only the writer runs (it would deadlock)."""
 

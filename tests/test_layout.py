@@ -19,6 +19,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("safeio._coordination",),
     ("safeio._diagnostics",),
     ("safeio._saves",),
+    ("safeio._checkpoints",),
     ("safeio", "safeio.__main__", "safeio.cli", "safeio.testing"),
 ]
 
@@ -60,6 +61,9 @@ def _graph() -> dict[str, set[str]]:
 
 def test_public_names_are_pinned() -> None:
     assert safeio.__all__ == [
+        "Checkpoint",
+        "CheckpointError",
+        "Checkpoints",
         "CollectiveInWriterSection",
         "Group",
         "InvalidOptionError",
@@ -84,6 +88,7 @@ def test_public_names_are_pinned() -> None:
         "snapshot",
         "torch_save",
         "verify",
+        "write_pointer",
         "writer_only_section",
     ]
 

@@ -102,7 +102,7 @@ class Outcome:
         )
 
 
-def _is_store_timeout(error: BaseException) -> bool:
+def is_store_timeout(error: BaseException) -> bool:
     if isinstance(error, TimeoutError):
         return True
     dist = sys.modules.get("torch.distributed")
@@ -261,7 +261,7 @@ class Channel:
                 store.wait([self.key], timedelta(seconds=min(_LOG_EVERY, remaining)))
                 raw = store.get(self.key)
             except Exception as exc:
-                if not _is_store_timeout(exc):
+                if not is_store_timeout(exc):
                     # Expected at the end of a run: rank 0 hosts the TCPStore and may already have left.
                     logger.info(
                         "%s: the store became unreachable while waiting for %s (%s); "

@@ -18,6 +18,9 @@ class ActiveStage:
     target: str  # absolute local path or URL
     stage: str  # local path
     thread: int = field(default_factory=threading.get_ident)  # the thread whose body writes into it
+    # Where saves nested in it write, when not the stage itself: a checkpoint's stage is shared by every
+    # rank (sharded files), but its replicated files are written by one rank; the others' go to scratch.
+    replicated: str | None = None
 
 
 _lock = threading.Lock()
@@ -40,11 +43,11 @@ def redirect(path: str) -> str | None:
             if entry.thread != thread:
                 continue
             rel = _within(path, entry.stage)
+            if rel is None:
+                rel = _within(path, entry.target)
             if rel is not None:
-                return path
-            rel = _within(path, entry.target)
-            if rel is not None:
-                return entry.stage if rel == "" else f"{entry.stage}/{rel}"
+                base = entry.replicated or entry.stage
+                return base if rel == "" else f"{base}/{rel}"
     return None
 
 

@@ -6,6 +6,7 @@ import os
 from typing import Any
 
 from safeio._options import SaveOptions
+from safeio._saves.atomic import atomic_open
 from safeio._saves.replicated import ReplicatedSave
 
 
@@ -37,6 +38,12 @@ def torch_save(
     options = SaveOptions.of(timeout=timeout, durable=durable, writer=writer, warn_after=warn_after)
     save = ReplicatedSave(path, options, group=group, kind="file")
     with save as stage:
-        if stage.is_writer:
+        if stage.nested:
+            # Inside an open stage (a checkpoint's): its writer writes the file there, atomically; the
+            # stage's own commit tells every rank the outcome.
+            if stage.is_writer:
+                with atomic_open(stage.path, "wb", durable=durable) as f:
+                    torch.save(obj, f, **save_kwargs)
+        elif stage.is_writer:
             with save.open_file() as f:  # through the descriptor that created it, never the name
                 torch.save(obj, f, **save_kwargs)

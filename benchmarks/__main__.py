@@ -44,12 +44,18 @@ def _registry(disk: str, tmpfs: str) -> dict[str, Callable[[bool], Result]]:
 
         return control.run(quick, tmpfs=tmpfs)
 
+    def checkpoints(quick: bool) -> Result:
+        from benchmarks import checkpoints
+
+        return checkpoints.run(quick, disk=disk)
+
     return {
         "wrapper": wrapper,
         "atomic": atomic,
         "scaling": scaling,
         "promotion": promotion,
         "control": control,
+        "checkpoints": checkpoints,
     }
 
 

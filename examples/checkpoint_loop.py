@@ -1,18 +1,19 @@
-"""A training loop that checkpoints the right way, on N ranks (gloo over loopback, CPU).
+"""A training loop that checkpoints the right way, on N ranks (gloo over loopback, CPU): save, crash, resume.
 
-- Model and optimizer state: ``torch.distributed.checkpoint`` (DCP) on **every** rank. DCP is collective
-  and writes rank-disjoint files; never wrap it in "rank 0 only" (it would deadlock) nor in safeio.
-- Replicated files (tokenizer, config, generation config, trainer state): ``safeio`` — every rank
-  calls it, one writes, atomically, and the others wait for the outcome.
-- Resume: DCP loads the shards back on every rank; ``from_pretrained`` reads the replicated files.
+- ``safeio.Checkpoints`` stages each checkpoint beside its final name and commits it once every rank
+  has written its part: model and optimizer through ``torch.distributed.checkpoint`` (sharded: every
+  rank writes its own files), tokenizer, config and trainer state through safeio (written once).
+- ``latest()`` is the newest *committed* checkpoint, the same on every rank: a save interrupted by a
+  crash is never resumed from.
 
-Run: python examples/checkpoint_loop.py [--ranks 2] [--steps 3] [--dir DIR]
+Run: python examples/checkpoint_loop.py [--ranks 2] [--steps 3] [--crash-at STEP] [--dir DIR] [--timeout S]
+With ``--crash-at``, one rank dies in the middle of that step's save; run the same command again
+(without it) and the loop resumes from the last committed step.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import tempfile
 from typing import Any
@@ -22,42 +23,30 @@ from safeio.testing import hf_objects
 from safeio.testing.ranks import run_ranks
 
 
-def save_checkpoint(directory: str, step: int, model: Any, optimizer: Any, tokenizer: Any) -> None:
-    import torch.distributed.checkpoint as dcp
-
-    # Collective and sharded: every rank, no guard, no safeio.
-    dcp.save({"model": model.state_dict(), "optim": optimizer.state_dict()}, checkpoint_id=f"{directory}/dcp")
-    # Replicated: every rank calls, safeio makes it one atomic write.
-    safeio.save_pretrained(tokenizer, directory)
-    safeio.save_pretrained(model.config, directory)
-    safeio.save_pretrained(model.generation_config, directory)
-    with safeio.replicated(os.path.join(directory, "trainer"), mode="replace") as stage:
-        if stage.is_writer:
-            with open(os.path.join(stage.path, "trainer_state.json"), "w") as f:
-                json.dump({"step": step}, f)
-
-
-def load_checkpoint(directory: str, model: Any, optimizer: Any) -> int:
+def rank_main(
+    rank: int, world: int, root: str, steps: int, crash_at: int | None, timeout: float
+) -> dict[str, Any]:
+    import torch
     import torch.distributed.checkpoint as dcp
     from transformers import AutoTokenizer
 
-    state = {"model": model.state_dict(), "optim": optimizer.state_dict()}
-    dcp.load(state, checkpoint_id=f"{directory}/dcp")
-    model.load_state_dict(state["model"])
-    optimizer.load_state_dict(state["optim"])
-    AutoTokenizer.from_pretrained(directory)  # the replicated files load as usual
-    with open(os.path.join(directory, "trainer", "trainer_state.json")) as f:
-        return int(json.load(f)["step"])
-
-
-def rank_main(rank: int, world: int, root: str, steps: int) -> dict[str, Any]:
-    import torch
-
     model = hf_objects.tiny_model(seed=0)
-    tokenizer = hf_objects.fast_tokenizer()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    batch = torch.randint(0, 64, (2, 8))
-    for step in range(1, steps + 1):
+    tokenizer = hf_objects.fast_tokenizer()
+    ckpts = safeio.Checkpoints(root, keep=2, name="checkpoint-{step}", timeout=timeout)
+
+    start = 0
+    found = ckpts.latest()  # every rank gets the same answer
+    if found is not None:
+        state = {"model": model.state_dict(), "optim": optimizer.state_dict()}
+        dcp.load(state, checkpoint_id=found.path)
+        model.load_state_dict(state["model"])
+        optimizer.load_state_dict(state["optim"])
+        AutoTokenizer.from_pretrained(found.path)  # the replicated files load as usual
+        start = int(torch.load(os.path.join(found.path, "trainer_state.pt"))["step"])
+
+    batch = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(0))
+    for step in range(start + 1, steps + 1):
         loss = model(input_ids=batch, labels=batch).loss
         loss.backward()
         for p in model.parameters():  # a data-parallel step: average gradients across ranks
@@ -65,29 +54,33 @@ def rank_main(rank: int, world: int, root: str, steps: int) -> dict[str, Any]:
             p.grad /= world
         optimizer.step()
         optimizer.zero_grad()
-        save_checkpoint(os.path.join(root, f"checkpoint-{step}"), step, model, optimizer, tokenizer)
-    # Resume into a fresh model from the last checkpoint.
-    fresh = hf_objects.tiny_model(seed=123)
-    fresh_optimizer = torch.optim.SGD(fresh.parameters(), lr=0.1)
-    resumed_step = load_checkpoint(os.path.join(root, f"checkpoint-{steps}"), fresh, fresh_optimizer)
-    same = all(
-        torch.equal(a, b)
-        for a, b in zip(model.state_dict().values(), fresh.state_dict().values(), strict=True)
-    )
-    return {"resumed_step": resumed_step, "weights_match": same, "loss": float(loss)}
+        with ckpts.save(step) as ckpt:
+            dcp.save({"model": model.state_dict(), "optim": optimizer.state_dict()}, checkpoint_id=ckpt.path)
+            if step == crash_at and rank == world - 1:
+                os._exit(1)  # a preempted node: this step's checkpoint must never be resumed from
+            safeio.save_pretrained(tokenizer, ckpt.path)
+            safeio.save_pretrained(model.config, ckpt.path)
+            safeio.torch_save({"step": step}, os.path.join(ckpt.path, "trainer_state.pt"))
+    latest = ckpts.latest()
+    return {"resumed_from": start, "latest": latest.step if latest else None, "steps": ckpts.steps()}
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--ranks", type=int, default=2)
     parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--crash-at", type=int, default=None)
     parser.add_argument("--dir", default=None)
+    parser.add_argument("--timeout", type=float, default=60.0, help="how long ranks wait for each other")
     args = parser.parse_args()
     root = args.dir or tempfile.mkdtemp(prefix="safeio-loop-")
-    for result in run_ranks(rank_main, args.ranks, root, args.steps, timeout=600):
-        print(f"rank {result.rank}: {result.value}")
-    last = os.path.join(root, f"checkpoint-{args.steps}")
-    print(f"{last}: {sorted(os.listdir(last))}")
+    results = run_ranks(
+        rank_main, args.ranks, root, args.steps, args.crash_at, args.timeout, timeout=600, check=False
+    )
+    for result in results:
+        print(f"rank {result.rank}: {result.value if result.error is None else repr(result.error)[:200]}")
+    print(f"{root}: {sorted(os.listdir(root))}")
+    raise SystemExit(0 if all(r.error is None for r in results) else 1)
 
 
 if __name__ == "__main__":

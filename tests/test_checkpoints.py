@@ -126,16 +126,16 @@ def _one_rank_fails(rank: int, world: int, root: str, how: str) -> dict[str, Any
     return outcome
 
 
-def _every_rank_past_dcp(world: int) -> None:
+def _every_rank_past_dcp(world: int, key: str = "past-dcp") -> None:
     """A barrier through the store (a gloo barrier could need the rank about to die to relay it)."""
     from datetime import timedelta
 
     from torch.distributed import distributed_c10d as c10d
 
     store = c10d._get_default_store()
-    if store.add("past-dcp", 1) == world:
-        store.set("past-dcp/all", "1")
-    store.wait(["past-dcp/all"], timedelta(seconds=60))
+    if store.add(key, 1) == world:
+        store.set(f"{key}/all", "1")
+    store.wait([f"{key}/all"], timedelta(seconds=60))
 
 
 @pytest.mark.parametrize("how", ["raises", "killed"])
@@ -189,3 +189,87 @@ def test_write_pointer_replaces_atomically(tmp_path: Path) -> None:
     assert pointer.read_text() == "global_step200"
     assert os.stat(pointer).st_ino != first  # a new file renamed over the old, never rewritten in place
     assert os.listdir(tmp_path) == ["latest"]
+
+
+def _dcp_inside_replicated(rank: int, world: int, target: str) -> str:
+    import torch.distributed.checkpoint as dcp
+
+    try:
+        with safeio.replicated(target, timeout=60) as stage:
+            dcp.save(_state(1), checkpoint_id=stage.path)  # the misuse: sharded state, one writer kept
+    except safeio.UnsupportedSaveError as exc:
+        outcome = f"refused: {exc}"
+    except safeio.RemoteWriterError as exc:
+        outcome = f"remote {exc.error_type}: {exc.error_message}"
+    else:
+        outcome = "saved"
+    _every_rank_past_dcp(world, "done")  # rank 0 hosts the store: it stays until every rank has heard
+    return outcome
+
+
+def test_dcp_inside_replicated_is_refused_on_every_rank(shared_dir: Path) -> None:
+    """It used to "work": rank 0's shard promoted, the other ranks' dropped, verify ok, resume broken."""
+    target = shared_dir / "ckpt"
+    results = run_ranks(_dcp_inside_replicated, 4, str(target), timeout=200)
+    assert results[0].value.startswith("refused: ") and "safeio.Checkpoints" in results[0].value
+    for r in results[1:]:
+        assert r.value.startswith("remote UnsupportedSaveError: "), r
+    assert not target.exists()
+
+
+def _per_rank_files_in_replicated(rank: int, world: int, target: str) -> str:
+    try:
+        with safeio.replicated(target, timeout=60) as stage:
+            Path(stage.path, "config.json").write_text("{}")
+            Path(stage.path, f"rank{rank}.pt").write_text(str(rank))  # per-rank data
+    except safeio.UnsupportedSaveError as exc:
+        outcome = f"refused: {exc}"
+    else:
+        outcome = "saved"
+    _every_rank_past_dcp(world, "done")
+    return outcome
+
+
+def test_per_rank_files_in_replicated_are_named_on_the_rank_that_would_lose_them(shared_dir: Path) -> None:
+    target = shared_dir / "out"
+    results = run_ranks(_per_rank_files_in_replicated, 3, str(target), timeout=200)
+    assert results[0].value == "saved"  # the writer's own files are all there
+    for r in results[1:]:
+        assert r.value.startswith("refused: ") and f"rank{r.rank}.pt" in r.value, r
+        assert "safeio.Checkpoints" in r.value, r
+
+
+def test_safeio_ls_lists_committed_partial_and_in_progress(tmp_path: Path) -> None:
+    import json
+    import subprocess
+    import sys
+
+    root = tmp_path / "ckpts"
+    ckpts = safeio.Checkpoints(root, keep=None)
+    for step in (1, 2):
+        with ckpts.save(step) as ckpt:
+            Path(ckpt.path, "w.bin").write_bytes(b"x" * 1000)
+    (root / "step_3").mkdir()  # a step written without safeio, half done
+    live = ckpts.save(4)
+    live.__enter__()  # a save in progress (this process is alive)
+    try:
+        done = subprocess.run(
+            [sys.executable, "-m", "safeio", "ls", "--json", str(root)],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+    finally:
+        live.__exit__(None, None, None)
+    assert done.returncode == 0, done.stderr
+    report = json.loads(done.stdout)
+    states = {row["name"]: row["state"] for row in report["checkpoints"]}
+    assert states["step_1"] == states["step_2"] == "committed"
+    assert states["step_3"] == "partial"
+    assert [s for n, s in states.items() if n.startswith(".step_4.safeio-stage")] == ["in progress"]
+    assert report["latest"] == "step_2" and report["latest_ok"] is True
+    (root / "latest").write_text("step_3")  # a pointer to a partial step: flagged
+    done = subprocess.run(
+        [sys.executable, "-m", "safeio", "ls", str(root)], capture_output=True, text=True, timeout=60
+    )
+    assert done.returncode == 1 and "not a committed checkpoint" in done.stdout, done.stdout

@@ -14,29 +14,30 @@ ROOT = Path(__file__).resolve().parent.parent
 pytest.importorskip("transformers")
 
 
-def test_checkpoint_loop_example(tmp_path: Path) -> None:
-    out = subprocess.run(
-        [
-            sys.executable,
-            "examples/checkpoint_loop.py",
-            "--ranks",
-            "2",
-            "--steps",
-            "2",
-            "--dir",
-            str(tmp_path),
-        ],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert out.returncode == 0, out.stderr[-3000:]
-    assert out.stdout.count("'resumed_step': 2, 'weights_match': True") == 2, out.stdout
-    last = tmp_path / "checkpoint-2"
-    names = set(os.listdir(last))
-    assert {"dcp", "tokenizer.json", "config.json", "generation_config.json", "trainer"} <= names
-    assert len(os.listdir(last / "dcp")) >= 3  # DCP's metadata plus one shard file per rank
+def test_checkpoint_loop_example_saves_crashes_and_resumes(tmp_path: Path) -> None:
+    def run(*extra: str) -> subprocess.CompletedProcess[str]:
+        argv = ["--ranks", "2", "--steps", "3", "--dir", str(tmp_path), "--timeout", "10", *extra]
+        return subprocess.run(
+            [sys.executable, "examples/checkpoint_loop.py", *argv],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+
+    crashed = run("--crash-at", "3")  # rank 1 dies in the middle of step 3's save
+    assert crashed.returncode == 1, crashed.stdout + crashed.stderr[-3000:]
+    assert "CheckpointError" in crashed.stdout and "rank 1 never reported" in crashed.stdout, crashed.stdout
+    assert sorted(n for n in os.listdir(tmp_path) if n.startswith("checkpoint-")) == [
+        "checkpoint-1",
+        "checkpoint-2",
+    ]
+    resumed = run()
+    assert resumed.returncode == 0, resumed.stdout + resumed.stderr[-3000:]
+    assert resumed.stdout.count("{'resumed_from': 2, 'latest': 3, 'steps': [2, 3]}") == 2, resumed.stdout
+    last = tmp_path / "checkpoint-3"
+    assert {".metadata", "tokenizer.json", "config.json", "trainer_state.pt"} <= set(os.listdir(last))
+    assert len([n for n in os.listdir(last) if n.endswith(".distcp")]) == 2  # one shard file per rank
 
 
 def test_replicated_tokenizer_example(tmp_path: Path) -> None:

@@ -141,7 +141,11 @@ def shares(draw: st.DrawFn) -> dict[str, Any]:
 
 
 def _plant(directory: Path, name: str, planted: tuple[str, Any], outside: Path) -> None:
-    if not name or "\0" in name or "/" in name or name in (".", "..") or len(name.encode()) > 255:
+    try:
+        size = len(name.encode("utf-8", "surrogateescape"))
+    except UnicodeEncodeError:
+        return  # a lone surrogate: not a name a file system call can be given
+    if not name or "\0" in name or "/" in name or name in (".", "..") or size > 255:
         return  # not a name a directory can hold
     path = directory / name
     if os.path.lexists(path):

@@ -116,7 +116,7 @@ class Checkpoints:
         found = []
         for entry in names:
             step = self.names.parse(entry)
-            if step is not None and _is_committed(os.path.join(self.root, entry)):
+            if step is not None and is_committed(os.path.join(self.root, entry)):
                 found.append((step, entry))
         return sorted(found)
 
@@ -214,7 +214,7 @@ class CheckpointSave:
                     root, parent_fd=root_fd, keep_going=True, durable=self.ckpts.options.durable
                 )
                 if lstat_at(root_fd, self.final_name) is not None:
-                    if _is_committed(self.final):
+                    if is_committed(self.final):
                         raise TargetExistsError(
                             f"step {self.step} is already committed at {self.final}", self.final
                         )
@@ -255,7 +255,7 @@ class CheckpointSave:
         except StoreGone:
             # The writer decided and its process (the store's host) finished: a committed step on disk
             # is the outcome; none means it failed (its failure left nothing to find).
-            if not _is_committed_within(self.final, deadline):
+            if not _committed_within(self.final, deadline):
                 raise
             outcome = {"ok": True}
         if not outcome.get("ok"):
@@ -348,7 +348,8 @@ class CheckpointSave:
             remove_at(root_fd, aside, what="retired checkpoint")
 
 
-def _is_committed(path: str) -> bool:
+def is_committed(path: str) -> bool:
+    """Whether ``path`` is a committed checkpoint: its marker is there and lists every file at its size."""
     record = manifest.read(path)
     return record is not None and "step" in record and not manifest.problems(path, record, check_hashes=False)
 
@@ -367,7 +368,7 @@ def _failure(outcome: dict[str, Any], rank: int, step: int, final: str) -> Check
     )
 
 
-def _is_committed_within(path: str, deadline: float) -> bool:
+def _committed_within(path: str, deadline: float) -> bool:
     try:
         _wait_visible(path, deadline, -1, "the step")
     except PeerTimeout:
@@ -385,7 +386,7 @@ def _wait_visible(path: str, deadline: float, rank: int, what: str, *, manifest_
     while True:
         try:
             st = os.stat(path)
-            visible = stat.S_ISDIR(st.st_mode) and (not manifest_needed or _is_committed(path))
+            visible = stat.S_ISDIR(st.st_mode) and (not manifest_needed or is_committed(path))
         except OSError:
             visible = False
         if visible:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import re
 import shutil
 import tempfile
 import time
@@ -24,6 +25,7 @@ from safeio._boundary import attach_cleanup_error, body_failure
 from safeio._coordination.channel import Channel, Outcome, decode_value, encode_value
 from safeio._coordination.group import Group, resolve_group
 from safeio._diagnostics.watchdog import Watchdog
+from safeio._errors import UnsupportedSaveError
 from safeio._options import SaveOptions
 from safeio._promotion import active
 from safeio._promotion.atomic_file import FilePromotion, file_promotion_for
@@ -185,6 +187,8 @@ class ReplicatedSave:
         value = encode_value(stage.result)
         if error is None:
             try:
+                if self.kind == "directory":
+                    refuse_sharded_state(stage.path, stage.target)
                 promotion.result = value
                 promotion.finish(stage.path)
             except BaseException as finish_error:
@@ -222,7 +226,7 @@ class ReplicatedSave:
         # for a while after the writer promoted. Return only once this save is visible from here.
         channel.wait_visible(visibility.landed, started + self.timeout)
         if own and isinstance(visibility, DirectoryVisibility):
-            warn_if_different(own, visibility.landed_files(), stage)
+            check_against_landed(own, visibility.landed_files(), stage)
 
 
 def replicated(
@@ -270,10 +274,39 @@ def scratch_files(scratch: str) -> dict[str, int]:
     return found
 
 
-def warn_if_different(own: dict[str, int], landed: dict[str, int] | None, stage: Stage) -> None:
-    """A "replicated" object that is not the same on every rank is a bug in the job: say which files."""
+_DCP_SHARD = re.compile(r"__[0-9]+_[0-9]+\.distcp")
+
+
+def refuse_sharded_state(stage: str, target: str) -> None:
+    """torch.distributed.checkpoint shards in a replicated stage: every other rank's are about to be
+    dropped (their stages are throwaway scratch), so the save is refused on the writer, and its peers
+    hear the refusal, rather than promoting one rank's share of the state."""
+    for _dirpath, _dirs, names in os.walk(stage):
+        shards = sorted(n for n in names if _DCP_SHARD.fullmatch(n))
+        if shards:
+            raise UnsupportedSaveError(
+                f"{target}: the save holds torch.distributed.checkpoint shards ({shards[0]}); inside "
+                "replicated() only the writer's files are kept and every other rank's shards would be "
+                "dropped. Save sharded state with safeio.Checkpoints (dcp.save on every rank into "
+                "ckpt.path)",
+                target,
+            )
+
+
+def check_against_landed(own: dict[str, int], landed: dict[str, int] | None, stage: Stage) -> None:
+    """Files this rank wrote that the writer did not are sharded data about to be dropped: an error.
+    The same files at other sizes are a "replicated" object that differs between ranks: a WARNING."""
     if landed is None:
         return  # no manifest to compare with (manifest=False)
+    dropped = sorted(rel for rel in own if rel not in landed)
+    if dropped:
+        raise UnsupportedSaveError(
+            f"{who(stage.group.rank)}: this rank's body wrote {', '.join(dropped[:5])}"
+            f"{f' and {len(dropped) - 5} more' if len(dropped) > 5 else ''}, which the writer's save of "
+            f"{stage.target} does not contain: only the writer's files are kept, so this rank's would be "
+            "lost. Per-rank (sharded) data belongs in safeio.Checkpoints",
+            stage.target,
+        )
     differ = sorted(rel for rel, size in own.items() if landed.get(rel) != size)
     if differ:
         logger.warning(

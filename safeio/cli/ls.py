@@ -1,0 +1,82 @@
+"""``safeio ls ROOT``: the checkpoints under a ``safeio.Checkpoints`` root, committed or partial."""
+
+from __future__ import annotations
+
+import argparse
+import os
+from typing import Any
+
+from safeio._checkpoints.checkpoints import LATEST, is_committed
+from safeio._checkpoints.naming import StepNames
+from safeio._checkpoints.pointer import read_pointer
+from safeio._storage.dirfd import held_directory, walk_files
+from safeio._storage.names import parse
+from safeio.cli._common import EXIT_OK, EXIT_PROBLEMS, existing_directory, human_bytes, print_json
+
+PATTERNS = ("step_{step}", "checkpoint-{step}")
+
+
+def add_parser(commands: Any, epilog: str) -> None:
+    parser = commands.add_parser(
+        "ls",
+        help="list the checkpoints under a Checkpoints root (committed, partial, in progress)",
+        description="List the step directories under ROOT (a safeio.Checkpoints root): committed (the "
+        "commit marker is there and every file it lists has its size), partial (a step directory "
+        "without a valid marker: never resumed from), and stages of saves in progress or left by "
+        "crashed writers (`safeio gc` removes those whose owner is gone). Marks the one `latest` "
+        "names. Exit 1 when `latest` names something that is not a committed step.",
+        epilog=epilog,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("root", metavar="ROOT", help="the checkpoint root directory")
+    parser.add_argument(
+        "--name",
+        default=None,
+        help="the step name pattern (default: step_{step} and checkpoint-{step})",
+    )
+    parser.add_argument("--json", action="store_true", help="print a machine-readable report")
+    parser.set_defaults(run=run)
+
+
+def _size(path: str) -> int:
+    try:
+        with held_directory(path) as fd:
+            return sum(st.st_size for _rel, _fd, _name, st in walk_files(fd))
+    except OSError:
+        return 0
+
+
+def run(args: argparse.Namespace) -> int:
+    root = existing_directory(args.root, what="ROOT")
+    patterns = [StepNames(p, root) for p in ([args.name] if args.name else PATTERNS)]
+    latest = read_pointer(os.path.join(root, LATEST))
+    rows: list[dict[str, Any]] = []
+    for entry in sorted(os.listdir(root)):
+        path = os.path.join(root, entry)
+        sibling = parse(entry)
+        if sibling is not None and sibling.kind == "stage":
+            if any(p.parse(sibling.base) is not None for p in patterns):
+                alive = sibling.owner_is_alive()
+                states = {True: "in progress", False: "stage of a dead writer", None: "stage (other host)"}
+                rows.append({"name": entry, "step": None, "state": states[alive], "size": _size(path)})
+            continue
+        steps = [p.parse(entry) for p in patterns]
+        step = next((s for s in steps if s is not None), None)
+        if step is None or not os.path.isdir(path) or os.path.islink(path):
+            continue
+        state = "committed" if is_committed(path) else "partial"
+        rows.append({"name": entry, "step": step, "state": state, "size": _size(path)})
+    rows.sort(key=lambda r: (r["step"] is None, r["step"] or 0, r["name"]))
+    latest_ok = latest is None or any(r["name"] == latest and r["state"] == "committed" for r in rows)
+    report = {"root": root, "latest": latest, "latest_ok": latest_ok, "checkpoints": rows}
+    if args.json:
+        print_json(report)
+    else:
+        for row in rows:
+            mark = "  <- latest" if row["name"] == latest else ""
+            print(f"{row['state']:<22} {human_bytes(row['size']):>10}  {row['name']}{mark}")
+        if not rows:
+            print(f"no checkpoints under {root}")
+        if not latest_ok:
+            print(f"latest names {latest!r}, which is not a committed checkpoint here")
+    return EXIT_OK if latest_ok else EXIT_PROBLEMS

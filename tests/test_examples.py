@@ -16,7 +16,7 @@ pytest.importorskip("transformers")
 
 def test_checkpoint_loop_example_saves_crashes_and_resumes(tmp_path: Path) -> None:
     def run(*extra: str) -> subprocess.CompletedProcess[str]:
-        argv = ["--ranks", "2", "--steps", "3", "--dir", str(tmp_path), "--timeout", "10", *extra]
+        argv = ["--ranks", "2", "--steps", "3", "--dir", str(tmp_path), "--timeout", "3", *extra]
         return subprocess.run(
             [sys.executable, "examples/checkpoint_loop.py", *argv],
             cwd=ROOT,

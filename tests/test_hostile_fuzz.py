@@ -257,7 +257,7 @@ def nfslike_places() -> Iterator[Places]:
 
 
 FUZZ = settings(
-    max_examples=120,
+    max_examples=80,
     deadline=None,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture],
 )
@@ -269,7 +269,7 @@ def test_planted_metadata_on_local_disk(local_places: Places, drawn: dict[str, A
     _exercise(*local_places.fresh(), drawn)
 
 
-@settings(FUZZ, max_examples=30)
+@settings(FUZZ, max_examples=20)
 @given(drawn=shares())
 def test_planted_metadata_on_the_nfslike_mount(nfslike_places: Places, drawn: dict[str, Any]) -> None:
     _exercise(*nfslike_places.fresh(), drawn)

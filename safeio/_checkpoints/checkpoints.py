@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import stat
 import tempfile
 import time
 from dataclasses import dataclass
@@ -25,6 +24,7 @@ from types import TracebackType
 from typing import Any
 
 from safeio._boundary import os_failure
+from safeio._checkpoints.committed import committed_within, is_committed, wait_visible
 from safeio._checkpoints.exchange import Exchange, StoreGone
 from safeio._checkpoints.naming import StepNames, check_step
 from safeio._checkpoints.pointer import write_pointer
@@ -49,7 +49,6 @@ from safeio._storage.names import sibling_name
 LATEST = "latest"  # DeepSpeed's pointer file: the name of the newest checkpoint directory
 MEGATRON_TRACKER = "latest_checkpointed_iteration.txt"  # Megatron's: the newest iteration number
 _LOCK_NAME = "checkpoints"  # one promotion lock per root: ``.checkpoints.safeio.lock``
-_FIRST_PAUSE = 0.02
 
 
 @dataclass(frozen=True)
@@ -150,7 +149,7 @@ class Checkpoints:
         else:
             found = [(int(s), str(n)) for s, n in resolve_here()]
         for _, entry in found:
-            _wait_visible(os.path.join(self.root, entry), deadline, group.rank, what)
+            wait_visible(os.path.join(self.root, entry), deadline, group.rank, what)
         return found
 
 
@@ -194,9 +193,15 @@ class CheckpointSave:
             self.stage_name = heard["stage"]
         stage = os.path.join(self.ckpts.root, self.stage_name)
         if not group.is_writer:
-            _wait_visible(
-                stage, deadline, group.rank, f"the stage of step {self.step}", manifest_needed=False
-            )
+            try:
+                wait_visible(
+                    stage, deadline, group.rank, f"the stage of step {self.step}", manifest_needed=False
+                )
+            except PeerTimeout:
+                decided = exchange.outcome_if_decided()  # the writer failed and removed it already?
+                if decided is None or decided.get("ok"):
+                    raise
+                raise _failure(decided, group.rank, self.step, self.final) from None
             self._scratch = tempfile.mkdtemp(prefix="safeio-peer-")
         # Replicated saves made inside the body (save_pretrained, torch_save) write once: the writer's
         # into the stage, the other ranks' into scratch. Sharded writers (dcp.save) write the stage.
@@ -255,12 +260,12 @@ class CheckpointSave:
         except StoreGone:
             # The writer decided and its process (the store's host) finished: a committed step on disk
             # is the outcome; none means it failed (its failure left nothing to find).
-            if not _committed_within(self.final, deadline):
+            if not committed_within(self.final, deadline):
                 raise
             outcome = {"ok": True}
         if not outcome.get("ok"):
             raise _failure(outcome, self.group.rank, self.step, self.final)
-        _wait_visible(self.final, deadline, self.group.rank, f"step {self.step}")
+        wait_visible(self.final, deadline, self.group.rank, f"step {self.step}")
 
     # -- the writer ----------------------------------------------------------------------------------
 
@@ -342,16 +347,12 @@ class CheckpointSave:
         if keep is None or len(committed) <= keep:
             return
         for _, entry in committed[:-keep]:  # never the newest: keep >= 1
-            aside = sibling_name(entry, "old")
-            # Renamed aside first: a reader never finds a half-deleted checkpoint under its name.
+            # Renamed aside first: a reader never finds a half-deleted checkpoint under its name. As a
+            # "tmp" sibling, not an "old" one: recovery restores an old version whose name is missing,
+            # and a retired checkpoint killed half deleted must go, never come back as a step.
+            aside = sibling_name(entry, "tmp")
             os.rename(entry, aside, src_dir_fd=root_fd, dst_dir_fd=root_fd)
             remove_at(root_fd, aside, what="retired checkpoint")
-
-
-def is_committed(path: str) -> bool:
-    """Whether ``path`` is a committed checkpoint: its marker is there and lists every file at its size."""
-    record = manifest.read(path)
-    return record is not None and "step" in record and not manifest.problems(path, record, check_hashes=False)
 
 
 def _failure(outcome: dict[str, Any], rank: int, step: int, final: str) -> CheckpointError:
@@ -366,32 +367,3 @@ def _failure(outcome: dict[str, Any], rank: int, step: int, final: str) -> Check
         failed=failed,
         missing=missing,
     )
-
-
-def _committed_within(path: str, deadline: float) -> bool:
-    try:
-        _wait_visible(path, deadline, -1, "the step")
-    except PeerTimeout:
-        return False
-    return True
-
-
-def _wait_visible(path: str, deadline: float, rank: int, what: str, *, manifest_needed: bool = True) -> None:
-    """Return once ``path`` (a committed step, or a stage) is visible from this rank; bounded.
-
-    NFS clients cache directory entries and attributes: a rank on another client may not see a
-    directory for a while after the writer made it.
-    """
-    pause = _FIRST_PAUSE
-    while True:
-        try:
-            st = os.stat(path)
-            visible = stat.S_ISDIR(st.st_mode) and (not manifest_needed or is_committed(path))
-        except OSError:
-            visible = False
-        if visible:
-            return
-        if time.monotonic() >= deadline:
-            raise PeerTimeout(f"rank {rank}: {what} at {path} is still not visible from this rank", path)
-        time.sleep(min(pause, max(deadline - time.monotonic(), 0)))  # bounded poll: nothing to block on
-        pause = min(pause * 2, 0.5)

@@ -117,6 +117,17 @@ class Exchange:
         if self.shared:
             self._set("outcome", value)
 
+    def outcome_if_decided(self) -> dict[str, Any] | None:
+        """The writer's outcome if it is already published (never waits)."""
+        store = self.group.store
+        if store is None:
+            return None
+        with contextlib.suppress(Exception):
+            if store.check([f"{self.prefix}/outcome"]):
+                value = json.loads(store.get(f"{self.prefix}/outcome"))
+                return value if isinstance(value, dict) else None
+        return None
+
     def hear_outcome(self, deadline: float) -> dict[str, Any]:
         value = self._wait("outcome", deadline, f"rank {self.group.writer}'s commit")
         self._acknowledge()

@@ -105,6 +105,8 @@ class ReplicatedSave:
         if self.options.writer is not None:
             group = group.with_writer(self.options.writer)
         if nested is not None:
+            # A directory (or a file's directory) inside the open stage: made, as the stage itself is.
+            os.makedirs(nested if self.kind == "directory" else os.path.dirname(nested), exist_ok=True)
             self._stage = Stage(nested, target_key, group.is_writer, group, nested=True)
             return self._stage
         channel = self._channel = Channel.open(group, target_key, save_identity(self.what))

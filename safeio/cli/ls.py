@@ -6,7 +6,8 @@ import argparse
 import os
 from typing import Any
 
-from safeio._checkpoints.checkpoints import LATEST, is_committed
+from safeio._checkpoints.checkpoints import LATEST
+from safeio._checkpoints.committed import is_committed
 from safeio._checkpoints.naming import StepNames
 from safeio._checkpoints.pointer import read_pointer
 from safeio._storage.dirfd import held_directory, walk_files

@@ -1,0 +1,47 @@
+"""Whether a step is committed, and waiting (bounded) until it is visible from this rank."""
+
+from __future__ import annotations
+
+import os
+import stat
+import time
+
+from safeio._errors import PeerTimeout
+from safeio._storage import manifest
+
+_FIRST_PAUSE = 0.02
+
+
+def is_committed(path: str) -> bool:
+    """Whether ``path`` is a committed checkpoint: its marker is there and lists every file at its size."""
+    record = manifest.read(path)
+    return record is not None and "step" in record and not manifest.problems(path, record, check_hashes=False)
+
+
+def committed_within(path: str, deadline: float) -> bool:
+    try:
+        wait_visible(path, deadline, -1, "the step")
+    except PeerTimeout:
+        return False
+    return True
+
+
+def wait_visible(path: str, deadline: float, rank: int, what: str, *, manifest_needed: bool = True) -> None:
+    """Return once ``path`` (a committed step, or a stage) is visible from this rank; bounded.
+
+    NFS clients cache directory entries and attributes: a rank on another client may not see a
+    directory for a while after the writer made it.
+    """
+    pause = _FIRST_PAUSE
+    while True:
+        try:
+            st = os.stat(path)
+            visible = stat.S_ISDIR(st.st_mode) and (not manifest_needed or is_committed(path))
+        except OSError:
+            visible = False
+        if visible:
+            return
+        if time.monotonic() >= deadline:
+            raise PeerTimeout(f"rank {rank}: {what} at {path} is still not visible from this rank", path)
+        time.sleep(min(pause, max(deadline - time.monotonic(), 0)))  # bounded poll: nothing to block on
+        pause = min(pause * 2, 0.5)

@@ -1,0 +1,113 @@
+"""Reliability: SIGKILL a random rank (writer or not) at a random moment of a checkpoint loop, again and
+again; after every kill the job restarts and resumes, as a preempted job does.
+
+Invariants checked after every kill: ``latest()`` is the same on every rank of the restarted job, names a
+committed step, and that step loads completely (every rank's shard has the step's bytes, the replicated
+trainer state says the step); no step directory under its final name is partial; retention never left
+zero committed checkpoints once one was committed.
+
+The ranks are real processes sharing a real TCPStore (hosted here, so it survives the kills) through
+``safeio.Group``; they do not start torch.distributed's process group, which makes a restart cost
+milliseconds instead of a second and lets the default scale make 100 kills (the protocol under test uses
+the store only; the killed-rank case with real gloo ranks and DCP is in tests/test_checkpoints.py).
+"""
+
+from __future__ import annotations
+
+import json
+import multiprocessing as mp
+import os
+import random
+import signal
+import time
+from datetime import timedelta
+from pathlib import Path
+
+import safeio
+from tests._reliability import SEED, record, scaled
+
+WORLD = 3
+TIMEOUT = 0.25  # how long ranks wait for each other: a dead rank is noticed within about twice this
+KILLS = scaled(100)
+SHARD_BYTES = 64 << 10
+
+
+def _payload(step: int, rank: int) -> bytes:
+    return f"step {step} rank {rank}\n".encode() * (SHARD_BYTES // 16)
+
+
+def _rank(rank: int, port: int, cycle: int, root: str, out: str) -> None:
+    import torch.distributed as dist
+
+    store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=30))
+    group = safeio.Group(rank, WORLD, store=store, name=f"cycle{cycle}")
+    ckpts = safeio.Checkpoints(root, keep=2, group=group, timeout=TIMEOUT, durable=False)
+    found = ckpts.latest()
+    with open(os.path.join(out, f"{cycle}-{rank}.json"), "w") as f:
+        json.dump({"latest": found.step if found else None}, f)
+    store.add("started", 1)
+    start = found.step if found else 0
+    for step in range(start + 1, start + 10_000):
+        with ckpts.save(step) as ckpt:
+            Path(ckpt.path, f"shard{rank}.bin").write_bytes(_payload(step, rank))  # sharded
+            with safeio.replicated(os.path.join(ckpt.path, "trainer")) as stage:  # replicated
+                if stage.is_writer:
+                    Path(stage.path, "state.json").write_text(json.dumps({"step": step}))
+
+
+def _check_root(root: Path) -> tuple[int | None, int]:
+    """The checkpoint a restart resumes from, checked complete; and how many are committed."""
+    ckpts = safeio.Checkpoints(root, keep=2)
+    for entry in os.listdir(root) if root.exists() else []:
+        if entry.startswith("step_"):  # a stage is renamed to its final name only once it is whole
+            assert safeio.verify(root / entry) == [], f"{entry} is partial under its final name"
+    latest = ckpts.latest()
+    if latest is None:
+        return None, 0
+    for rank in range(WORLD):
+        assert Path(latest.path, f"shard{rank}.bin").read_bytes() == _payload(latest.step, rank)
+    assert json.loads(Path(latest.path, "trainer", "state.json").read_text()) == {"step": latest.step}
+    # The pointer names a whole step: the newest, or the one before if a kill fell between the rename
+    # and the pointer's replacement (the next commit moves it on).
+    assert safeio.verify(root / (root / "latest").read_text()) == []
+    return latest.step, len(ckpts.steps())
+
+
+def test_kill_a_random_rank_of_a_checkpoint_loop_again_and_again(tmp_path: Path) -> None:
+    import torch.distributed as dist
+
+    rng = random.Random(SEED)
+    print(f"seed {SEED}, {KILLS} kills")
+    root, out = tmp_path / "ckpts", tmp_path / "out"
+    out.mkdir()
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(["torch.distributed", "safeio"])
+    resumed: list[int | None] = []
+    committed_max = 0
+    for cycle in range(KILLS):
+        store = dist.TCPStore("127.0.0.1", 0, is_master=True, timeout=timedelta(seconds=30))
+        ranks = [
+            ctx.Process(target=_rank, args=(r, store.port, cycle, str(root), str(out))) for r in range(WORLD)
+        ]
+        for proc in ranks:
+            proc.start()
+        store.wait(["started"], timedelta(seconds=60))  # every rank agreed on latest() and is saving
+        while int(store.add("started", 0)) < WORLD:
+            store.wait(["started"], timedelta(seconds=1))
+        time.sleep(rng.uniform(0, 0.3))  # a random moment of the loop (tens of saves): this is the point
+        victim = rng.randrange(WORLD)
+        os.kill(ranks[victim].pid, signal.SIGKILL)  # type: ignore[arg-type]
+        for proc in ranks:
+            proc.join(timeout=10 * TIMEOUT + 10)  # survivors raise within about twice the timeout
+            assert not proc.is_alive(), f"cycle {cycle}: a rank still runs after rank {victim} was killed"
+        starts = {json.loads((out / f"{cycle}-{r}.json").read_text())["latest"] for r in range(WORLD)}
+        assert len(starts) == 1, f"cycle {cycle}: ranks disagreed on latest(): {starts}"
+        resumed.append(starts.pop())
+        step, count = _check_root(root)
+        assert step is None or step >= (resumed[-1] or 0)
+        if committed_max:
+            assert count >= 1, f"cycle {cycle}: retention left no committed checkpoint"
+        committed_max = max(committed_max, count)
+    final, _ = _check_root(root)
+    record("checkpoint_kills", {"kills": KILLS, "final_step": final, "resumed": resumed})
+    assert final is not None and final > 0, "no checkpoint was ever committed"

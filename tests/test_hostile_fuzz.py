@@ -107,7 +107,10 @@ PLANTED = st.one_of(
 def sibling_names(draw: st.DrawFn) -> str:
     base = draw(
         st.sampled_from(["ckpt", "other", "n" * 200])
-        | st.text(st.characters(blacklist_characters="/\0"), min_size=1, max_size=20)
+        # no lone surrogates: a name a file system call can be given
+        | st.text(
+            st.characters(blacklist_characters="/\0", blacklist_categories=("Cs",)), min_size=1, max_size=20
+        )
     )
     kind = draw(st.sampled_from(KINDS))
     host = draw(st.sampled_from([host_tag(), "00000000", "ffffffff"]))
@@ -257,7 +260,7 @@ def nfslike_places() -> Iterator[Places]:
 
 
 FUZZ = settings(
-    max_examples=80,
+    max_examples=60,
     deadline=None,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture],
 )
@@ -269,7 +272,7 @@ def test_planted_metadata_on_local_disk(local_places: Places, drawn: dict[str, A
     _exercise(*local_places.fresh(), drawn)
 
 
-@settings(FUZZ, max_examples=20)
+@settings(FUZZ, max_examples=15)
 @given(drawn=shares())
 def test_planted_metadata_on_the_nfslike_mount(nfslike_places: Places, drawn: dict[str, Any]) -> None:
     _exercise(*nfslike_places.fresh(), drawn)

@@ -112,7 +112,7 @@ def _one_rank_fails(rank: int, world: int, root: str, how: str) -> dict[str, Any
     try:
         with ckpts.save(2) as ckpt:
             dcp.save(_state(2), checkpoint_id=ckpt.path)
-            _every_rank_past_dcp(world)  # so that the collectives inside dcp.save are all over
+            _every_rank_past_dcp(rank, world)  # so that the collectives inside dcp.save are all over
             if rank == 2:
                 if how == "killed":
                     os._exit(9)  # a rank that dies mid-save never reports
@@ -123,19 +123,27 @@ def _one_rank_fails(rank: int, world: int, root: str, how: str) -> dict[str, Any
         outcome = {"own": str(exc)}
     latest = ckpts.latest()
     outcome["latest"] = latest.step if latest else None
+    # Rank 0 hosts the store: it stays until the others have heard (a job's end is another test).
+    _every_rank_past_dcp(rank, world, "end", dead=(2,) if how == "killed" else ())
     return outcome
 
 
-def _every_rank_past_dcp(world: int, key: str = "past-dcp") -> None:
-    """A barrier through the store (a gloo barrier could need the rank about to die to relay it)."""
+def _every_rank_past_dcp(rank: int, world: int, key: str = "past-dcp", dead: tuple[int, ...] = ()) -> None:
+    """A barrier through the store (a gloo barrier could need the rank about to die to relay it) of
+    every rank but ``dead``. Rank 0 hosts the store, so it leaves last: once every other rank passed."""
     from datetime import timedelta
 
     from torch.distributed import distributed_c10d as c10d
 
     store = c10d._get_default_store()
-    if store.add(key, 1) == world:
+    if store.add(key, 1) == world - len(dead):
         store.set(f"{key}/all", "1")
     store.wait([f"{key}/all"], timedelta(seconds=60))
+    if rank != 0:
+        store.set(f"{key}/passed/{rank}", "1")
+    else:
+        others = [r for r in range(1, world) if r not in dead]
+        store.wait([f"{key}/passed/{r}" for r in others], timedelta(seconds=60))
 
 
 @pytest.mark.parametrize("how", ["raises", "killed"])
@@ -203,7 +211,7 @@ def _dcp_inside_replicated(rank: int, world: int, target: str) -> str:
         outcome = f"remote {exc.error_type}: {exc.error_message}"
     else:
         outcome = "saved"
-    _every_rank_past_dcp(world, "done")  # rank 0 hosts the store: it stays until every rank has heard
+    _every_rank_past_dcp(rank, world, "done")  # rank 0 hosts the store: it stays until every rank has heard
     return outcome
 
 
@@ -226,7 +234,7 @@ def _per_rank_files_in_replicated(rank: int, world: int, target: str) -> str:
         outcome = f"refused: {exc}"
     else:
         outcome = "saved"
-    _every_rank_past_dcp(world, "done")
+    _every_rank_past_dcp(rank, world, "done")
     return outcome
 
 

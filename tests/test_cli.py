@@ -535,3 +535,16 @@ def test_audit_report(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> Non
     assert code == 1 and report["conflicts"], report
     done = cli("audit", "report", str(records))
     assert done.returncode == 1 and "tokenizer_config.json" in done.stdout
+
+
+def test_a_lock_timeout_names_the_lease_holder_read_as_a_marker(tmp_path: Path) -> None:
+    """The holder in a LockTimeout comes from the marker, read without following a link or blocking."""
+    target = tmp_path / "ckpt"
+    lock_path = tmp_path / ".ckpt.safeio.lock"
+    with process(_LEASE_HOLDER, str(lock_path)) as (holder, _):
+        with pytest.raises(safeio.LockTimeout) as caught:
+            with safeio.replicated(target, lock="lease", timeout=1) as stage:
+                Path(stage.path, "f").write_text("x")
+        assert caught.value.holder is not None and f"pid {holder.pid} on " in caught.value.holder
+        assert str(lock_path) in str(caught.value)
+    assert not target.exists()

@@ -187,7 +187,9 @@ def _storeless(rank: int, world: int, target: str) -> bool:
     group = safeio.Group(rank, world)  # RANK/WORLD_SIZE only: no store, peers watch the filesystem
     with safeio.replicated(target, group=group, timeout=30) as stage:
         if stage.is_writer:
-            time.sleep(0.5)  # make the peers actually wait for the promotion
+            # Not synchronisation: it widens the window in which a peer that returned without waiting
+            # for the promotion would read no "f" (the assertion below), so that such a bug shows.
+            time.sleep(0.5)
         Path(stage.path, "f").write_text(str(rank))
     return Path(target, "f").read_text() == "0"
 

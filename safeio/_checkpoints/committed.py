@@ -13,7 +13,13 @@ _FIRST_PAUSE = 0.02
 
 
 def is_committed(path: str) -> bool:
-    """Whether ``path`` is a committed checkpoint: its marker is there and lists every file at its size."""
+    """Whether ``path`` is a committed checkpoint: a real directory (a link planted under a step's name
+    is never one), its marker there, listing every file at its size."""
+    try:
+        if not stat.S_ISDIR(os.lstat(path).st_mode):
+            return False
+    except OSError:
+        return False
     record = manifest.read(path)
     return record is not None and "step" in record and not manifest.problems(path, record, check_hashes=False)
 
@@ -35,7 +41,7 @@ def wait_visible(path: str, deadline: float, rank: int, what: str, *, manifest_n
     pause = _FIRST_PAUSE
     while True:
         try:
-            st = os.stat(path)
+            st = os.lstat(path)
             visible = stat.S_ISDIR(st.st_mode) and (not manifest_needed or is_committed(path))
         except OSError:
             visible = False

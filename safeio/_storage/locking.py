@@ -20,6 +20,8 @@ import filelock
 
 from safeio._boundary import lock_not_acquired, os_failure
 from safeio._options import LockSetting, lease_seconds
+from safeio._storage.dirfd import held_directory
+from safeio._storage.lock_markers import read_marker
 from safeio._storage.mounts import is_network_path
 from safeio._storage.names import lock_name
 from safeio._who import who
@@ -111,12 +113,14 @@ def held(lock: filelock.BaseFileLock | None, target: str, rank: int) -> Iterator
 
 
 def _describe_holder(lock: filelock.BaseFileLock) -> str | None:
-    # Soft locks record their owner (pid, host) in the marker; flock records nothing.
+    # Soft locks record their owner (pid, host) in the marker; flock records nothing. The marker is read
+    # as the untrusted input it is: relative to the held parent, never through a link, never a FIFO.
+    parent, name = os.path.split(lock.lock_file)
     try:
-        with open(lock.lock_file, encoding="utf-8", errors="replace") as f:
-            fields = dict(line.partition("=")[::2] for line in f.read(4096).splitlines())
+        with held_directory(parent or ".", follow=True) as parent_fd:
+            marker = read_marker(parent_fd, name)
     except OSError:
         return None
-    if "pid" not in fields:
+    if marker is None or marker.holder is None:
         return None
-    return f"pid {fields['pid']} on {fields.get('host', 'an unknown host')}"
+    return f"pid {marker.holder.pid} on {marker.holder.host}"

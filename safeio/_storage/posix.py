@@ -1,4 +1,4 @@
-"""POSIX primitives Python lacks or spreads around: fsync of paths and trees, ``renameat2``, the umask."""
+"""POSIX primitives Python lacks: ``renameat2``, the umask (fsync of trees: ``dirfd.fsync_fd_tree``)."""
 
 from __future__ import annotations
 
@@ -9,30 +9,6 @@ import os
 import threading
 from functools import lru_cache
 from typing import Any
-
-
-def fsync_path(path: str, *, directory: bool = False) -> None:
-    flags = os.O_RDONLY | (os.O_DIRECTORY if directory else 0)
-    fd = os.open(path, flags)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def fsync_tree(root: str) -> None:
-    """fsync every file and directory under ``root``, children before their directory."""
-    for dirpath, dirnames, filenames in os.walk(root, topdown=False):
-        for name in filenames:
-            full = os.path.join(dirpath, name)
-            if not os.path.islink(full):
-                fsync_path(full)
-        for name in dirnames:
-            full = os.path.join(dirpath, name)
-            if not os.path.islink(full):
-                fsync_path(full, directory=True)
-    fsync_path(root, directory=True)
-
 
 RENAME_NOREPLACE = 1
 RENAME_EXCHANGE = 2

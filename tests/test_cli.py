@@ -542,9 +542,11 @@ def test_a_lock_timeout_names_the_lease_holder_read_as_a_marker(tmp_path: Path) 
     target = tmp_path / "ckpt"
     lock_path = tmp_path / ".ckpt.safeio.lock"
     with process(_LEASE_HOLDER, str(lock_path)) as (holder, _):
-        with pytest.raises(safeio.LockTimeout) as caught:
-            with safeio.replicated(target, lock="lease", timeout=1) as stage:
-                Path(stage.path, "f").write_text("x")
+        with (
+            pytest.raises(safeio.LockTimeout) as caught,
+            safeio.replicated(target, lock="lease", timeout=1) as stage,
+        ):
+            Path(stage.path, "f").write_text("x")
         assert caught.value.holder is not None and f"pid {holder.pid} on " in caught.value.holder
         assert str(lock_path) in str(caught.value)
     assert not target.exists()

@@ -37,6 +37,14 @@ pytestmark = pytest.mark.skipif(
 )
 
 
+def _preload_lazy_modules() -> None:
+    import filelock
+
+    # filelock imports its soft-lock classes on first attribute access.
+    for name in ("SoftFileLease", "StrictSoftFileLock", "SoftFileLock"):
+        getattr(filelock, name)
+
+
 def _run_all(identity: str, base: Path, shared: Path | None) -> dict[str, dict[str, Any]]:
     privileged = identity == "root"
     names = [n for n in hostile.CASES if hostile.applicable(n, privileged)]
@@ -47,6 +55,9 @@ def _run_all(identity: str, base: Path, shared: Path | None) -> dict[str, dict[s
         try:
             os.close(read)
             if not privileged:
+                # What is imported lazily must be imported now: after the switch the checkout (and its
+                # .venv) may be unreadable, e.g. a clone under a 0700 mktemp directory.
+                _preload_lazy_modules()
                 os.setgroups([])
                 os.setresgid(NOBODY, NOBODY, NOBODY)
                 os.setresuid(NOBODY, NOBODY, NOBODY)

@@ -37,7 +37,6 @@ def _save_loop(
 ) -> dict[str, Any]:
     import torch
     import torch.distributed.checkpoint as dcp
-    from transformers import AutoTokenizer
 
     if clients is not None and rank % 2 == 1:
         _enter_client_b(*clients)  # odd ranks are the second NFS client, with its own caches
@@ -57,8 +56,7 @@ def _save_loop(
     dcp.load(restored, checkpoint_id=latest.path)
     expected = _state(latest.step)
     same = all(torch.equal(restored["model"][k], v) for k, v in expected["model"].items())
-    tokenizer = AutoTokenizer.from_pretrained(latest.path)
-    trainer_state = torch.load(os.path.join(latest.path, "trainer_state.pt"))
+    tokenizer, trainer_state = _load_replicated(latest.path)
     return {
         "seen": seen,
         "steps": ckpts.steps(),
@@ -66,6 +64,23 @@ def _save_loop(
         "tokenizer_version": tokenizer.chat_template,
         "trainer_state": trainer_state,
     }
+
+
+def _load_replicated(path: str) -> tuple[Any, Any]:
+    """The tokenizer and trainer state of a committed step (from an object store: downloaded first)."""
+    import tempfile
+
+    import fsspec
+    import torch
+    from transformers import AutoTokenizer
+
+    if "://" in path:
+        fs, prefix = fsspec.core.url_to_fs(path)
+        local = tempfile.mkdtemp()
+        fs.get(prefix + "/", local, recursive=True)
+        path = local
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    return tokenizer, torch.load(os.path.join(path, "trainer_state.pt"))
 
 
 def _check_loop(results: list[Any], root: Path, steps: list[int], keep: int) -> None:
@@ -100,6 +115,64 @@ def test_ranks_on_two_nfs_clients_agree_on_latest(nfslike_clients: tuple[Mount, 
     results = run_ranks(_save_loop, 4, str(root), steps, 2, (str(a.path), str(b.path)), timeout=400)
     _check_loop(results, root, steps, 2)
     assert a.hazards() == []
+
+
+def test_dcp_tokenizer_and_state_on_s3(s3: dict[str, str]) -> None:
+    """On an object store each step is written in place and committed by its marker, then latest."""
+    import s3fs
+
+    root = f"s3://{s3['BUCKET']}/run"
+    steps = [1, 2, 3]
+    results = run_ranks(_save_loop, 4, root, steps, 2, None, timeout=400, env=s3)
+    for r in results:
+        assert r.value["seen"] == steps and r.value["steps"] == steps[-2:], r
+        assert r.value["same_model"] is True and r.value["trainer_state"] == {"step": 3}, r
+        assert r.value["tokenizer_version"].endswith("v3"), r
+    fs = s3fs.S3FileSystem(endpoint_url=s3["FSSPEC_S3_ENDPOINT_URL"], key="x", secret="x")
+    prefix = f"{s3['BUCKET']}/run"
+    assert fs.cat_file(f"{prefix}/latest") == b"step_3"
+    assert sorted(k.rsplit("/", 1)[-1] for k in fs.ls(prefix)) == ["latest", "step_2", "step_3"]
+    names = [k.rsplit("/", 1)[-1] for k in fs.find(f"{prefix}/step_3")]
+    assert len([n for n in names if n.endswith(".distcp")]) == 4  # every rank's shard, committed
+    assert ".safeio-in-progress" not in names and "tokenizer.json" in names and "trainer_state.pt" in names
+    assert safeio.verify(f"{root}/step_3") == []
+
+
+def test_object_store_steps_interrupted_foreign_and_retained(s3: dict[str, str]) -> None:
+    import fsspec
+
+    root = f"s3://{s3['BUCKET']}/run"
+    fs = fsspec.filesystem("s3")
+    ckpts = safeio.Checkpoints(root, keep=2, name="checkpoint-{step}")
+    for step in (1, 2):
+        with ckpts.save(step) as ckpt:
+            fs.pipe_file(f"{ckpt.path}/weights.bin", bytes([step]) * 100)
+            safeio.torch_save({"step": step}, f"{ckpt.path}/trainer_state.pt")  # the writer's, uploaded
+    # A save killed in its body: objects under the step's prefix, no marker. Never a checkpoint.
+    killed = ckpts.save(3)
+    ckpt = killed.__enter__()
+    fs.pipe_file(f"{ckpt.path}/weights.bin", b"partial")
+    from safeio._promotion import active
+
+    assert killed._entry is not None
+    active.pop(killed._entry)
+    restarted = safeio.Checkpoints(root, keep=2, name="checkpoint-{step}")
+    latest = restarted.latest()
+    assert latest is not None and latest.step == 2 and latest.path == f"{root}/checkpoint-2"
+    assert safeio.verify(f"{root}/checkpoint-3") != []
+    # The same step saved again after the restart: the interrupted save's leftovers go, then it commits.
+    with restarted.save(3) as ckpt:
+        fs.pipe_file(f"{ckpt.path}/weights.bin", b"\3" * 100)
+    assert restarted.steps() == [2, 3]
+    assert fs.cat_file(f"{root}/checkpoint-3/weights.bin") == b"\3" * 100
+    assert not fs.exists(f"{root}/checkpoint-1/weights.bin")  # retention: the marker, then the rest
+    assert fs.cat_file(f"{root}/latest") == b"checkpoint-3"
+    # Objects under a step's prefix that this layer did not write are never deleted.
+    fs.pipe_file(f"{root}/checkpoint-4/notes.txt", b"someone else's")
+    with pytest.raises(safeio.InvalidTargetError, match="not a committed checkpoint"), restarted.save(4):
+        pass
+    assert fs.cat_file(f"{root}/checkpoint-4/notes.txt") == b"someone else's"
+    assert restarted.steps() == [2, 3]
 
 
 def _one_rank_fails(rank: int, world: int, root: str, how: str) -> dict[str, Any]:

@@ -11,6 +11,11 @@ never reported; then nothing is committed and ``latest`` is unchanged.
 
 ``latest()``/``steps()`` are resolved by the writer and published, so ranks whose NFS caches disagree
 still get one answer, each returning once that step is visible from it.
+
+Where the steps live is one class per storage behaviour: ``LocalSteps`` (POSIX: a stage directory and a
+rename) and ``ObjectSteps`` (object stores: in place under the step's prefix, committed by its marker).
+With ``dcp.async_save``, ``ckpt.commit_after(future)`` moves the commit to a background thread that runs
+once the future completes (see ``PendingCommit``).
 """
 
 from __future__ import annotations
@@ -23,49 +28,44 @@ from dataclasses import dataclass
 from types import TracebackType
 from typing import Any
 
-from safeio._boundary import os_failure
-from safeio._checkpoints.committed import committed_within, is_committed, wait_visible
 from safeio._checkpoints.exchange import Exchange, StoreGone
+from safeio._checkpoints.local_steps import LATEST, MEGATRON_TRACKER, LocalSteps
 from safeio._checkpoints.naming import StepNames, check_step
-from safeio._checkpoints.pointer import write_pointer
+from safeio._checkpoints.object_steps import ObjectSteps
+from safeio._checkpoints.pending import PendingCommit
 from safeio._coordination.group import Group, resolve_group
-from safeio._errors import (
-    CheckpointError,
-    InvalidOptionError,
-    InvalidTargetError,
-    PeerTimeout,
-    TargetExistsError,
-)
+from safeio._errors import CheckpointError, InvalidOptionError, PeerTimeout
 from safeio._options import SaveOptions
 from safeio._promotion import active
-from safeio._promotion.leftovers import recover_directory
-from safeio._storage import manifest
-from safeio._storage.dirfd import fsync_fd_tree, held_directory, lstat_at, open_directory
-from safeio._storage.fsops import remove_at
 from safeio._storage.location import resolve
-from safeio._storage.locking import held, lock_path_for, make_lock
-from safeio._storage.names import sibling_name
 
-LATEST = "latest"  # DeepSpeed's pointer file: the name of the newest checkpoint directory
-MEGATRON_TRACKER = "latest_checkpointed_iteration.txt"  # Megatron's: the newest iteration number
-_LOCK_NAME = "checkpoints"  # one promotion lock per root: ``.checkpoints.safeio.lock``
+__all__ = ["LATEST", "MEGATRON_TRACKER", "Checkpoint", "CheckpointStage", "Checkpoints"]
 
 
 @dataclass(frozen=True)
 class Checkpoint:
-    """A committed checkpoint: its step and the directory to load it from."""
+    """A committed checkpoint: its step and the directory (or object-store prefix) to load it from."""
 
     step: int
     path: str
 
 
-@dataclass(frozen=True)
 class CheckpointStage:
     """What ``with ckpts.save(step) as ckpt`` gives every rank: the shared stage to write into."""
 
-    step: int
-    path: str
-    is_writer: bool
+    def __init__(self, save: CheckpointSave, path: str, is_writer: bool) -> None:
+        self._save = save
+        self.step = save.step
+        self.path = path
+        self.is_writer = is_writer
+
+    def commit_after(self, future: Any) -> None:
+        """Commit when ``future`` completes, not when the ``with`` block ends: for ``dcp.async_save``
+        (its ``Future`` or ``AsyncSaveResponse``). Every rank calls it. The commit runs on a background
+        thread once this rank's future is done; ``latest`` and retention move only then. The next
+        ``save``, ``latest()`` or ``steps()`` first waits for it, and raises if it failed; call
+        ``ckpts.wait()`` before the job ends."""
+        self._save.future = future
 
 
 class Checkpoints:
@@ -84,19 +84,20 @@ class Checkpoints:
         megatron_tracker: bool = False,
     ) -> None:
         location = resolve(root)
-        if not location.is_local:
-            raise InvalidTargetError(
-                f"Checkpoints on object stores is not supported yet: {location.url()} (use a POSIX path)",
-                location.url(),
-            )
         if keep is not None and (isinstance(keep, bool) or not isinstance(keep, int) or keep < 1):
             raise InvalidOptionError(f"keep must be a number of checkpoints >= 1 or None, got {keep!r}", root)
-        self.root = location.path
-        self.keep = keep
-        self.names = StepNames(name, self.root)
+        names = StepNames(name, location.url())
         self.options = SaveOptions.of(timeout=timeout, durable=durable)
-        self.megatron_tracker = megatron_tracker
+        self.storage: LocalSteps | ObjectSteps
+        if location.is_local:
+            self.storage = LocalSteps(location.path, names, self.options, keep, megatron_tracker)
+        else:
+            self.storage = ObjectSteps(location, names, self.options, keep, megatron_tracker)
+        self.root = self.storage.root_url
+        self.keep = keep
+        self.names = names
         self._group_arg = group
+        self._pending: PendingCommit | None = None
 
     def group(self) -> Group:
         return resolve_group(self._group_arg)
@@ -104,31 +105,31 @@ class Checkpoints:
     def save(self, step: int) -> CheckpointSave:
         return CheckpointSave(self, check_step(step, self.root))
 
+    def wait(self) -> None:
+        """Wait for the commit of an async save (``ckpt.commit_after``); raise if it failed. Every rank
+        calls it before the job ends (``save``, ``latest()`` and ``steps()`` call it first)."""
+        pending, self._pending = self._pending, None
+        if pending is not None:
+            pending.wait()
+
     # -- finding checkpoints -------------------------------------------------------------------------
 
     def committed(self) -> list[tuple[int, str]]:
         """(step, name) of every committed checkpoint, as this process sees the root (ascending)."""
-        try:
-            names = os.listdir(self.root)
-        except FileNotFoundError:
-            return []
-        found = []
-        for entry in names:
-            step = self.names.parse(entry)
-            if step is not None and is_committed(os.path.join(self.root, entry)):
-                found.append((step, entry))
-        return sorted(found)
+        return self.storage.committed()
 
     def latest(self) -> Checkpoint | None:
         """The newest committed checkpoint, the same on every rank, visible from each when it returns."""
+        self.wait()
         committed = self._agree("latest()", lambda: self.committed()[-1:])
         if not committed:
             return None
         step, entry = committed[0]
-        return Checkpoint(step, os.path.join(self.root, entry))
+        return Checkpoint(step, self.storage.url(entry))
 
     def steps(self) -> list[int]:
         """Every committed step, ascending, the same on every rank."""
+        self.wait()
         return [step for step, _ in self._agree("steps()", self.committed)]
 
     def _agree(self, what: str, resolve_here: Any) -> list[tuple[int, str]]:
@@ -149,7 +150,7 @@ class Checkpoints:
         else:
             found = [(int(s), str(n)) for s, n in resolve_here()]
         for _, entry in found:
-            wait_visible(os.path.join(self.root, entry), deadline, group.rank, what)
+            self.storage.wait_committed(entry, deadline, group.rank, what)
         return found
 
 
@@ -158,10 +159,12 @@ class CheckpointSave:
 
     def __init__(self, checkpoints: Checkpoints, step: int) -> None:
         self.ckpts = checkpoints
+        self.storage = checkpoints.storage
         self.step = step
         self.final_name = checkpoints.names.format(step)
-        self.final = os.path.join(checkpoints.root, self.final_name)
+        self.final = self.storage.url(self.final_name)
         self.stage_name = ""
+        self.future: Any = None  # set by CheckpointStage.commit_after
         self._scratch: str | None = None
         self._entry: active.ActiveStage | None = None
 
@@ -170,12 +173,13 @@ class CheckpointSave:
         return self.ckpts.options.timeout
 
     def __enter__(self) -> CheckpointStage:
+        self.ckpts.wait()  # the previous async save's commit comes first
         group = self.group = self.ckpts.group()
         exchange = self.exchange = Exchange(group, self.ckpts.root, f"save of step {self.step}")
         deadline = time.monotonic() + self.timeout
         if group.is_writer:
             try:
-                self.stage_name = self._open_stage()
+                self.stage_name = self.storage.open_stage(self.step, self.final_name)
             except BaseException as exc:
                 exchange.announce({"ok": False, "error": f"{type(exc).__name__}: {exc}"})
                 raise
@@ -191,60 +195,46 @@ class CheckpointSave:
                     failed={group.writer: str(error)},
                 )
             self.stage_name = heard["stage"]
-        stage = os.path.join(self.ckpts.root, self.stage_name)
-        if not group.is_writer:
             try:
-                wait_visible(
-                    stage, deadline, group.rank, f"the stage of step {self.step}", manifest_needed=False
-                )
+                what = f"the stage of step {self.step}"
+                self.storage.wait_stage(self.stage_name, deadline, group.rank, what)
             except PeerTimeout:
                 decided = exchange.outcome_if_decided()  # the writer failed and removed it already?
                 if decided is None or decided.get("ok"):
                     raise
                 raise _failure(decided, group.rank, self.step, self.final) from None
-            self._scratch = tempfile.mkdtemp(prefix="safeio-peer-")
+        stage = self.storage.url(self.stage_name)
+        if not (group.is_writer and self.storage.in_place_replicated):
+            self._scratch = tempfile.mkdtemp(prefix="safeio-ckpt-")
         # Replicated saves made inside the body (save_pretrained, torch_save) write once: the writer's
-        # into the stage, the other ranks' into scratch. Sharded writers (dcp.save) write the stage.
+        # into the stage (on object stores: into scratch, uploaded at the commit), the other ranks' into
+        # scratch. Sharded writers (dcp.save) write the stage.
         self._entry = active.ActiveStage(self.final, stage, replicated=self._scratch or stage)
         active.push(self._entry)
-        return CheckpointStage(self.step, stage, group.is_writer)
-
-    def _open_stage(self) -> str:
-        root = self.ckpts.root
-        try:
-            os.makedirs(root, exist_ok=True)
-            with held_directory(root, follow=True) as root_fd:
-                # What crashed saves left (stages of dead owners, never a live one) goes first.
-                recover_directory(
-                    root, parent_fd=root_fd, keep_going=True, durable=self.ckpts.options.durable
-                )
-                if lstat_at(root_fd, self.final_name) is not None:
-                    if is_committed(self.final):
-                        raise TargetExistsError(
-                            f"step {self.step} is already committed at {self.final}", self.final
-                        )
-                    raise InvalidTargetError(
-                        f"{self.final} exists and is not a committed checkpoint (safeio never deletes "
-                        "what it did not write): move it away, or save another step",
-                        self.final,
-                    )
-                name = sibling_name(self.final_name, "stage")
-                os.mkdir(name, 0o777, dir_fd=root_fd)  # the umask and a setgid root's group apply
-                return name
-        except OSError as exc:
-            raise os_failure(f"cannot open the stage of step {self.step} under {root}", root, exc) from exc
+        return CheckpointStage(self, stage, group.is_writer)
 
     def __exit__(
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> None:
         assert self._entry is not None, "__exit__ without __enter__"
         active.pop(self._entry)
-        if self._scratch is not None:
-            shutil.rmtree(self._scratch, ignore_errors=True)
-        if self.group.is_writer:
-            self._exit_writer(exc)
-        else:
-            self._exit_peer(exc)
+        if exc is None and self.future is not None:
+            self.ckpts._pending = PendingCommit(
+                self.future, self._finish, self.timeout, f"step {self.step} of {self.ckpts.root}"
+            )
+            return
+        self._finish(exc)
+
+    def _finish(self, exc: BaseException | None) -> None:
+        """Report this rank's part; the writer commits (or abandons); every rank hears the outcome."""
+        try:
+            if self.group.is_writer:
+                self._exit_writer(exc)
+            else:
+                self._exit_peer(exc)
+        finally:
+            if self._scratch is not None:
+                shutil.rmtree(self._scratch, ignore_errors=True)
 
     # -- the other ranks -----------------------------------------------------------------------------
 
@@ -255,17 +245,20 @@ class CheckpointSave:
             return  # this rank's own error propagates; the writer names it to the others
         # The writer may itself wait up to the timeout for the slowest rank's report before it decides.
         deadline = time.monotonic() + 2 * self.timeout
+        rank, what = self.group.rank, f"step {self.step}"
         try:
             outcome = self.exchange.hear_outcome(deadline)
-        except StoreGone:
+        except StoreGone as gone:
             # The writer decided and its process (the store's host) finished: a committed step on disk
             # is the outcome; none means it failed (its failure left nothing to find).
-            if not committed_within(self.final, deadline):
-                raise
-            outcome = {"ok": True}
+            try:
+                self.storage.wait_committed(self.final_name, deadline, rank, what)
+            except PeerTimeout:
+                raise gone from None
+            return
         if not outcome.get("ok"):
-            raise _failure(outcome, self.group.rank, self.step, self.final)
-        wait_visible(self.final, deadline, self.group.rank, f"step {self.step}")
+            raise _failure(outcome, rank, self.step, self.final)
+        self.storage.wait_committed(self.final_name, deadline, rank, what)
 
     # -- the writer ----------------------------------------------------------------------------------
 
@@ -278,81 +271,21 @@ class CheckpointSave:
         else:
             failed, missing = self.exchange.collect(time.monotonic() + self.timeout)
         if failed or missing:
-            self._abandon()
+            self.storage.abandon(self.stage_name)
             outcome = {"ok": False, "failed": {str(r): e for r, e in failed.items()}, "missing": missing}
             self.exchange.decide(outcome)
             if exc is not None:
                 return  # the writer's own error propagates
             raise _failure(outcome, rank, self.step, self.final)
         try:
-            self._commit()
+            self.storage.commit(self.stage_name, self.final_name, self.step, rank, self._scratch)
         except BaseException as commit_error:
-            self._abandon()
+            self.storage.abandon(self.stage_name)
             self.exchange.decide(
                 {"ok": False, "failed": {str(rank): f"{type(commit_error).__name__}: {commit_error}"}}
             )
             raise
         self.exchange.decide({"ok": True, "path": self.final})
-
-    def _abandon(self) -> None:
-        """Nothing is committed: the stage goes (the previous checkpoints and ``latest`` stay)."""
-        try:
-            with held_directory(self.ckpts.root, follow=True) as root_fd:
-                remove_at(root_fd, self.stage_name, what="abandoned checkpoint stage")
-        except OSError:
-            pass  # left for `safeio gc` (its owner, this process, will be gone)
-
-    def _commit(self) -> None:
-        ckpts, durable = self.ckpts, self.ckpts.options.durable
-        root = ckpts.root
-        try:
-            with held_directory(root, follow=True) as root_fd:
-                stage_fd = open_directory(self.stage_name, dir_fd=root_fd)
-                try:
-                    entries = manifest.describe_files(stage_fd, hashes=False)
-                    record = manifest.build(entries, rank=self.group.rank, call=f"checkpoint/{self.step}")
-                    record["step"] = self.step
-                    if durable:  # every rank's files, then the marker that says they are all there
-                        fsync_fd_tree(stage_fd)
-                    manifest.write(stage_fd, record, durable=durable)
-                    if durable:
-                        os.fsync(stage_fd)
-                finally:
-                    os.close(stage_fd)
-                lock = make_lock(
-                    lock_path_for(root, _LOCK_NAME), "auto", self.timeout, ckpts.options.lease_seconds
-                )
-                with held(lock, root, self.group.rank):
-                    if lstat_at(root_fd, self.final_name) is not None:
-                        raise TargetExistsError(
-                            f"step {self.step} appeared at {self.final} meanwhile", self.final
-                        )
-                    os.rename(self.stage_name, self.final_name, src_dir_fd=root_fd, dst_dir_fd=root_fd)
-                    if durable:
-                        os.fsync(root_fd)
-                    committed = ckpts.committed()
-                    newest = committed[-1][1] if committed else self.final_name
-                    # latest first, then retention: a crash in between leaves a pointer to a whole step.
-                    write_pointer(os.path.join(root, LATEST), newest, durable=durable)
-                    if ckpts.megatron_tracker:
-                        write_pointer(
-                            os.path.join(root, MEGATRON_TRACKER), str(committed[-1][0]), durable=durable
-                        )
-                    self._retain(root_fd, committed)
-        except OSError as exc:
-            raise os_failure(f"cannot commit step {self.step} under {root}", root, exc) from exc
-
-    def _retain(self, root_fd: int, committed: list[tuple[int, str]]) -> None:
-        keep = self.ckpts.keep
-        if keep is None or len(committed) <= keep:
-            return
-        for _, entry in committed[:-keep]:  # never the newest: keep >= 1
-            # Renamed aside first: a reader never finds a half-deleted checkpoint under its name. As a
-            # "tmp" sibling, not an "old" one: recovery restores an old version whose name is missing,
-            # and a retired checkpoint killed half deleted must go, never come back as a step.
-            aside = sibling_name(entry, "tmp")
-            os.rename(entry, aside, src_dir_fd=root_fd, dst_dir_fd=root_fd)
-            remove_at(root_fd, aside, what="retired checkpoint")
 
 
 def _failure(outcome: dict[str, Any], rank: int, step: int, final: str) -> CheckpointError:

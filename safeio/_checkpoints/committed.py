@@ -24,14 +24,6 @@ def is_committed(path: str) -> bool:
     return record is not None and "step" in record and not manifest.problems(path, record, check_hashes=False)
 
 
-def committed_within(path: str, deadline: float) -> bool:
-    try:
-        wait_visible(path, deadline, -1, "the step")
-    except PeerTimeout:
-        return False
-    return True
-
-
 def wait_visible(path: str, deadline: float, rank: int, what: str, *, manifest_needed: bool = True) -> None:
     """Return once ``path`` (a committed step, or a stage) is visible from this rank; bounded.
 

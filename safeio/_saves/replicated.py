@@ -100,7 +100,7 @@ class ReplicatedSave:
         location = self.location
         target_key = location.url()
         active_key = location.path if location.is_local else target_key
-        nested = active.redirect(active_key) if location.is_local or self.kind == "directory" else None
+        nested = active.redirect(active_key)
         group = resolve_group(self._group_arg)
         if self.options.writer is not None:
             group = group.with_writer(self.options.writer)

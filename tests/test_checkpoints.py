@@ -354,3 +354,94 @@ def test_safeio_ls_lists_committed_partial_and_in_progress(tmp_path: Path) -> No
         [sys.executable, "-m", "safeio", "ls", str(root)], capture_output=True, text=True, timeout=60
     )
     assert done.returncode == 1 and "not a committed checkpoint" in done.stdout, done.stdout
+
+
+def _gated_writer(path: str, key: str, fail: bool = False) -> Any:
+    """A FileSystemWriter whose data waits for a store key (an upload still in flight at dispatch)."""
+    from datetime import timedelta
+
+    from torch.distributed import distributed_c10d as c10d
+    from torch.distributed.checkpoint import FileSystemWriter
+
+    class Gated(FileSystemWriter):
+        def write_data(self, plan: Any, planner: Any) -> Any:
+            # Its own connection: a wait holds up every other call on the same TCPStore client.
+            c10d._get_default_store().clone().wait([key], timedelta(seconds=60))
+            if fail:
+                raise OSError(28, "No space left on device (rank's async upload)")
+            return super().write_data(plan, planner)
+
+    return Gated(path)
+
+
+def _async_loop(rank: int, world: int, root: str) -> dict[str, Any]:
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed import distributed_c10d as c10d
+
+    store = c10d._get_default_store()
+    pg = dist.new_group(backend="gloo")  # DCP's background collectives, apart from the training's
+    out: dict[str, Any] = {}
+
+    # Without safeio: `latest` written at dispatch (torchtitan #930) names a step whose data is in flight.
+    plain = os.path.join(root, "plain", "step_1")
+    fut = dcp.async_save(_state(1), storage_writer=_gated_writer(plain, "plain-go"), process_group=pg)
+    if rank == 0:
+        os.makedirs(os.path.dirname(plain), exist_ok=True)
+        safeio.write_pointer(os.path.join(root, "plain", "latest"), "step_1")
+        out["plain_metadata_at_dispatch"] = os.path.exists(os.path.join(plain, ".metadata"))
+        store.set("plain-go", "1")
+    fut.result()
+
+    ckpts = safeio.Checkpoints(os.path.join(root, "ckpts"), keep=2, timeout=60)
+    dispatch: dict[int, Any] = {}
+    for step in (1, 2):
+        with ckpts.save(step) as ckpt:
+            writer = _gated_writer(ckpt.path, f"go-{step}")
+            fut = dcp.async_save(_state(step), storage_writer=writer, process_group=pg)
+            safeio.save_pretrained(hf_objects.fast_tokenizer(version=step), ckpt.path)
+            ckpt.commit_after(fut)
+        # Dispatched, the upload held: nothing under the final name, latest unchanged, on every rank.
+        dispatch[step] = (os.path.isdir(os.path.join(root, "ckpts", f"step_{step}")), _read_latest(root))
+        if store.add(f"checked-{step}", 1) == world:
+            store.set(f"go-{step}", "1")
+    found = ckpts.latest()  # waits for step 2's commit first
+    out["dispatch"] = dispatch
+    out["latest"] = found.step if found else None
+    # A rank whose async upload fails: every rank raises when the commit is waited for; nothing committed.
+    with ckpts.save(3) as ckpt:
+        writer = _gated_writer(ckpt.path, "go-3", fail=rank == 2)
+        ckpt.commit_after(dcp.async_save(_state(3), storage_writer=writer, process_group=pg))
+    if store.add("checked-3", 1) == world:
+        store.set("go-3", "1")
+    try:
+        ckpts.wait()
+    except BaseException as exc:  # DCP's CheckpointException is a BaseException
+        out["error"] = (type(exc).__name__, str(exc))
+    found = ckpts.latest()
+    out["after_failure"] = found.step if found else None
+    _every_rank_past_dcp(rank, world, "end")
+    return out
+
+
+def _read_latest(root: str) -> str | None:
+    path = os.path.join(root, "ckpts", "latest")
+    return Path(path).read_text() if os.path.exists(path) else None
+
+
+def test_async_save_commits_when_its_future_completes(shared_dir: Path) -> None:
+    results = run_ranks(_async_loop, 4, str(shared_dir), timeout=300)
+    assert results[0].value["plain_metadata_at_dispatch"] is False  # the failure: latest -> no .metadata
+    for r in results:
+        v = r.value
+        assert v["dispatch"] == {1: (False, None), 2: (False, "step_1")}, r  # never at dispatch
+        assert v["latest"] == 2, r
+        kind, message = v["error"]
+        # DCP hands rank 2's failure to every rank's future; a rank whose future succeeded would get
+        # CheckpointError naming rank 2 from the writer.
+        assert kind in ("CheckpointError", "CheckpointException") and "No space left" in message, r
+        assert v["after_failure"] == 2, r  # step 3 never committed; latest unchanged
+    root = shared_dir / "ckpts"
+    assert sorted(n for n in os.listdir(root) if n.startswith("step_")) == ["step_1", "step_2"]
+    assert (root / "latest").read_text() == "step_2"
+    assert safeio.verify(root / "step_2") == []

@@ -219,6 +219,7 @@ class CheckpointSave:
         assert self._entry is not None, "__exit__ without __enter__"
         active.pop(self._entry)
         if exc is None and self.future is not None:
+            self.exchange.group = self.group = self.group.for_another_thread()
             self.ckpts._pending = PendingCommit(
                 self.future, self._finish, self.timeout, f"step {self.step} of {self.ckpts.root}"
             )

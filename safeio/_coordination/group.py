@@ -66,6 +66,15 @@ class Group:
             return self
         return Group(self.rank, self.world_size, store=self.store, writer=writer, name=self.name)
 
+    def for_another_thread(self) -> Group:
+        """The same group with its own connection to the store, for a background thread: a TCPStore
+        client serialises its requests, so a long ``wait`` on one thread would hold up every other
+        thread's store calls (the training thread's next save)."""
+        clone = getattr(self.store, "clone", None)
+        if clone is None:
+            return self
+        return Group(self.rank, self.world_size, store=clone(), writer=self.writer, name=self.name)
+
     def barrier(self, timeout: float, *, tag: str = "barrier") -> None:
         """A bounded barrier through the store (every rank must call it with the same ``tag`` sequence)."""
         if self.world_size == 1:

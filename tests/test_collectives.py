@@ -224,3 +224,43 @@ def test_dcp_saves_run_normally_on_every_rank_beside_safeio_saves(shared_dir: Pa
         assert r.value == {"mine": [float(r.rank)] * 4, "shared": [0.0, 1.0, 2.0], "tokenizer": True}
     files = sorted(os.listdir(shared_dir / "step_5" / "model"))
     assert ".metadata" in files and len([f for f in files if f.endswith(".distcp")]) == 2, files
+
+
+def _bound_barrier_in_writer_body(rank: int, world: int, shared: str) -> dict[str, Any]:
+    import logging
+
+    # Bound before any section, as `from torch.distributed import barrier` at a module's top binds it:
+    # the section's check never sees the call.
+    from torch.distributed import barrier as bound_barrier
+
+    from tests.test_watchdog import _Collect
+
+    group = _short_group()
+    out: dict[str, Any] = {}
+    log = _Collect()
+    logging.getLogger("safeio").addHandler(log)
+    target = os.path.join(shared, "tok")
+    try:
+        with safeio.replicated(target, timeout=20, warn_after=0.3) as stage:
+            Path(stage.path, "tokenizer_config.json").write_text("{}")
+            if stage.is_writer:
+                with writer_only_section(stage.target):
+                    bound_barrier(group=group)  # blocks until the group's 2 s timeout: no rank joins
+    except Exception as exc:
+        out["error"] = type(exc).__name__
+    out["warnings"] = [m for level, m in log.records if level == logging.WARNING and "has been in" in m]
+    return out
+
+
+def test_the_watchdog_names_a_collective_that_escaped_the_section(shared_dir: Path) -> None:
+    results = run_ranks(_bound_barrier_in_writer_body, 2, str(shared_dir), timeout=90)
+    writer = results[0].value
+    target = str(shared_dir / "tok")
+    assert writer["warnings"], writer  # the stall is reported while it lasts ...
+    first = writer["warnings"][0]
+    # ... and says what it is: a collective only the writer called, in the save of this target.
+    assert f"blocked in torch.distributed.barrier() inside the writer-only save of {target}" in first, first
+    assert "bound_barrier(group=group)" in first  # the writer's stack, down to the call
+    assert writer["error"] != "CollectiveInWriterSection"  # the section's own check did not see it
+    assert results[1].value["error"] == "RemoteWriterError", results[1].value  # the peer hears of the failure
+    assert results[1].value["warnings"] == []  # peers run no watchdog

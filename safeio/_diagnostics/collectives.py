@@ -13,7 +13,8 @@ How, and its limits:
   functions by identity when it traces collectives, so a permanent wrapper would change how compiled
   training code is traced. Calls that look the function up at call time (``dist.all_gather_object(...)``,
   as DCP's ``_DistWrapper`` does, and c10d's own object collectives) are caught; a name bound earlier
-  with ``from torch.distributed import barrier`` is not.
+  with ``from torch.distributed import barrier`` is not: the watchdog's stall warning names it instead
+  (``blocked_in_collective`` reads the writer thread's stack).
 - Sections belong to the thread that entered them: another thread of the writer process (an async
   checkpoint thread that runs DCP on every rank) may run collectives meanwhile. Threads started inside
   a section are not covered.
@@ -29,6 +30,7 @@ import os
 import sys
 import threading
 from collections.abc import Callable, Iterator
+from types import FrameType
 from typing import Any, ClassVar
 
 from safeio._errors import CollectiveInWriterSection
@@ -59,7 +61,9 @@ COLLECTIVES: tuple[str, ...] = (
 )
 _MODULES = ("torch.distributed", "torch.distributed.distributed_c10d")
 
-_local = threading.local()
+# thread ident -> the targets of that thread's open sections (innermost last). Keyed by ident rather
+# than thread-local so that the watchdog's thread can tell whether the writer thread is in a section.
+_threads: dict[int, list[str]] = {}
 
 
 class _Installed:
@@ -69,24 +73,29 @@ class _Installed:
     wrappers: ClassVar[dict[int, Callable[..., Any]]] = {}
 
 
-def _sections() -> list[str]:
-    targets: list[str] | None = getattr(_local, "targets", None)
-    if targets is None:
-        targets = _local.targets = []
-    return targets
-
-
-def active_section() -> str | None:
-    """The target of this thread's innermost writer-only section, or None outside any."""
-    targets = _sections()
+def active_section(thread: int | None = None) -> str | None:
+    """The target of the innermost writer-only section of ``thread`` (default: this one), or None."""
+    targets = _threads.get(threading.get_ident() if thread is None else thread)
     return targets[-1] if targets else None
+
+
+def blocked_in_collective(frame: FrameType | None) -> str | None:
+    """The torch.distributed collective a thread is inside, judged from its innermost ``frame``: the
+    outermost c10d function of that name (the one the caller called), or None."""
+    found = None
+    while frame is not None:
+        code = frame.f_code
+        if code.co_name in COLLECTIVES and "/torch/distributed/" in code.co_filename.replace(os.sep, "/"):
+            found = code.co_name
+        frame = frame.f_back
+    return found
 
 
 @contextlib.contextmanager
 def writer_only_section(target: str | os.PathLike[str]) -> Iterator[None]:
     """Run a block that only the writer executes: torch.distributed collectives in it raise
     ``CollectiveInWriterSection`` (naming the collective and ``target``) instead of deadlocking."""
-    targets = _sections()
+    targets = _threads.setdefault(threading.get_ident(), [])
     targets.append(os.fspath(target))
     with _Installed.lock:
         _Installed.depth += 1
@@ -95,6 +104,8 @@ def writer_only_section(target: str | os.PathLike[str]) -> Iterator[None]:
         yield
     finally:
         targets.pop()
+        if not targets:
+            _threads.pop(threading.get_ident(), None)
         with _Installed.lock:
             _Installed.depth -= 1
             if _Installed.depth == 0:

@@ -26,9 +26,10 @@ import sys
 import threading
 import time
 import traceback
-from types import TracebackType
+from types import FrameType, TracebackType
 from typing import Protocol
 
+from safeio._diagnostics.collectives import active_section, blocked_in_collective
 from safeio._who import who
 
 logger = logging.getLogger("safeio")
@@ -141,26 +142,44 @@ class Watchdog:
         """Seconds until this watch needs the monitor again."""
         return min(self._warn_at - time.time(), self.beat_in())
 
-    def _stack(self) -> str:
+    def _stack(self) -> tuple[str, str]:
+        """The writer thread's stack, and what it says about a collective the writer is blocked in."""
         frame = sys._current_frames().get(self._writer_ident or -1)
         if frame is None:
-            return "  (the writer thread has exited)\n"
-        return "".join(traceback.format_stack(frame, limit=_STACK_FRAMES))
+            return "  (the writer thread has exited)\n", ""
+        return "".join(traceback.format_stack(frame, limit=_STACK_FRAMES)), self._collective_note(frame)
+
+    def _collective_note(self, frame: FrameType) -> str:
+        collective = blocked_in_collective(frame)
+        if collective is None:
+            return ""
+        section = active_section(self._writer_ident)
+        if section is None:
+            return f" The writer is blocked in torch.distributed.{collective}(), waiting for the other ranks."
+        # A collective bound before the section (``from torch.distributed import barrier``) or reached
+        # without a Python-level lookup escapes the section's check; it never returns.
+        return (
+            f" The writer is blocked in torch.distributed.{collective}() inside the writer-only save of "
+            f"{section}: only the writer runs this code, so the other ranks never join and it will not "
+            "return. Collective and sharded saves must run on every rank (safeio.Checkpoints)."
+        )
 
     def _warn(self, phase: str, elapsed: float) -> None:
         self.warnings += 1
         self._warned_in_phase = True
         path = self.source.target_url
+        stack, collective = self._stack()
         logger.warning(
             "%s: the writer has been in %s of %s for %.1f s (warn_after %g s); the save goes on, "
-            "this is a warning only. Stack of writer thread %r (most recent call last):\n%s",
+            "this is a warning only.%s Stack of writer thread %r (most recent call last):\n%s",
             who(self.rank),
             phase,
             path,
             elapsed,
             self.warn_after,
+            collective,
             self._writer_name,
-            self._stack(),
+            stack,
             extra={"safeio_phase": phase, "safeio_path": path, "safeio_elapsed": elapsed},
         )
 

@@ -445,3 +445,59 @@ def test_async_save_commits_when_its_future_completes(shared_dir: Path) -> None:
     assert sorted(n for n in os.listdir(root) if n.startswith("step_")) == ["step_1", "step_2"]
     assert (root / "latest").read_text() == "step_2"
     assert safeio.verify(root / "step_2") == []
+
+
+def _die_inside_a_save(root: str) -> None:
+    ckpts = safeio.Checkpoints(root, keep=3)
+    with ckpts.save(4) as ckpt:
+        Path(ckpt.path, "w.bin").write_bytes(b"half")
+        os._exit(9)  # killed in the body: its stage stays behind, its owner is gone
+
+
+def test_verify_and_gc_understand_a_checkpoint_root(tmp_path: Path) -> None:
+    import json
+    import multiprocessing
+    import subprocess
+    import sys
+
+    root = tmp_path / "ckpts"
+    ckpts = safeio.Checkpoints(root, keep=3)
+    for step in (1, 2):
+        with ckpts.save(step) as ckpt:
+            Path(ckpt.path, "w.bin").write_bytes(b"x" * 1000)
+    child = multiprocessing.get_context("fork").Process(target=_die_inside_a_save, args=(str(root),))
+    child.start()
+    child.join(60)
+    assert child.exitcode == 9
+    stages = [n for n in os.listdir(root) if n.startswith(".step_4.safeio-stage")]
+    assert len(stages) == 1
+
+    def cli(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [sys.executable, "-m", "safeio", *args], capture_output=True, text=True, timeout=60
+        )
+
+    done = cli("verify", str(root))
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert (
+        "2 committed checkpoint(s), latest 'step_2'" in done.stdout
+        and "stage of a dead writer" in done.stdout
+    )
+    # A committed step damaged afterwards, and a step directory written without safeio: both named.
+    (root / "step_1" / "w.bin").write_bytes(b"short")
+    (root / "step_3").mkdir()
+    done = cli("verify", "--json", str(root))
+    assert done.returncode == 1, done.stdout
+    report = json.loads(done.stdout)
+    assert any(p.startswith("step_1: damaged after its commit") for p in report["problems"]), report
+    assert any(p.startswith("step_3: not committed") for p in report["problems"]), report
+    # gc removes the dead writer's stage and nothing else: committed and partial steps stay.
+    done = cli("gc", str(root))
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert sorted(n for n in os.listdir(root) if not n.endswith(".lock")) == [
+        "latest",
+        "step_1",
+        "step_2",
+        "step_3",
+    ]
+    assert ckpts.latest() == safeio.Checkpoint(2, str(root / "step_2"))

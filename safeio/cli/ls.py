@@ -47,27 +47,36 @@ def _size(path: str) -> int:
         return 0
 
 
-def run(args: argparse.Namespace) -> int:
-    root = existing_directory(args.root, what="ROOT")
-    patterns = [StepNames(p, root) for p in ([args.name] if args.name else PATTERNS)]
-    latest = read_pointer(os.path.join(root, LATEST))
+def checkpoint_rows(root: str, names: list[StepNames]) -> list[dict[str, Any]]:
+    """Every step directory and checkpoint stage under ``root``: name, step, state, size (sorted)."""
     rows: list[dict[str, Any]] = []
     for entry in sorted(os.listdir(root)):
         path = os.path.join(root, entry)
         sibling = parse(entry)
         if sibling is not None and sibling.kind == "stage":
-            if any(p.parse(sibling.base) is not None for p in patterns):
+            if any(p.parse(sibling.base) is not None for p in names):
                 alive = sibling.owner_is_alive()
                 states = {True: "in progress", False: "stage of a dead writer", None: "stage (other host)"}
                 rows.append({"name": entry, "step": None, "state": states[alive], "size": _size(path)})
             continue
-        steps = [p.parse(entry) for p in patterns]
+        steps = [p.parse(entry) for p in names]
         step = next((s for s in steps if s is not None), None)
         if step is None or not os.path.isdir(path) or os.path.islink(path):
             continue
         state = "committed" if is_committed(path) else "partial"
         rows.append({"name": entry, "step": step, "state": state, "size": _size(path)})
     rows.sort(key=lambda r: (r["step"] is None, r["step"] or 0, r["name"]))
+    return rows
+
+
+def name_patterns(root: str, name: str | None) -> list[StepNames]:
+    return [StepNames(p, root) for p in ([name] if name else PATTERNS)]
+
+
+def run(args: argparse.Namespace) -> int:
+    root = existing_directory(args.root, what="ROOT")
+    latest = read_pointer(os.path.join(root, LATEST))
+    rows = checkpoint_rows(root, name_patterns(root, args.name))
     latest_ok = latest is None or any(r["name"] == latest and r["state"] == "committed" for r in rows)
     report = {"root": root, "latest": latest, "latest_ok": latest_ok, "checkpoints": rows}
     if args.json:

@@ -11,6 +11,7 @@ from safeio._storage.dirfd import held_directory
 from safeio._storage.location import Location, resolve
 from safeio._storage.readers import reader_for
 from safeio.cli._common import EXIT_OK, EXIT_PROBLEMS, print_json
+from safeio.cli.verify_root import is_checkpoint_root, verify_root
 
 
 def add_parser(commands: Any, epilog: str) -> None:
@@ -20,7 +21,9 @@ def add_parser(commands: Any, epilog: str) -> None:
         description="Check a directory (or an object-store prefix such as s3://bucket/ckpt/tokenizer) "
         f"that safeio promoted against its {manifest.MANIFEST_NAME}: every listed file present, sizes and "
         "sha256 (when the save was durable) matching. An object-store prefix without its commit marker "
-        "is an incomplete commit. Exit 0 when complete, 1 when anything is missing or damaged.",
+        "is an incomplete commit. PATH may also be a safeio.Checkpoints root: then every step is checked (a "
+        "step directory that is not committed is a problem: latest() never resumes from it) and so is "
+        "`latest`. Exit 0 when complete, 1 when anything is missing or damaged.",
         epilog=epilog,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
@@ -36,6 +39,8 @@ def run(args: argparse.Namespace) -> int:
     location = resolve(args.path)  # InvalidTargetError (empty path, NUL byte) is bad input: exit 2
     shown = location.url()
     reader = reader_for(location)
+    if location.is_local and reader.manifest() is None and is_checkpoint_root(location.path):
+        return verify_root(location.path, args)
     problems = reader.verify(check_hashes=not args.no_hashes)
     record = reader.manifest() if reader.exists() else None
     if problems and record is None and not location.is_local:

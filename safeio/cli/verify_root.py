@@ -1,0 +1,63 @@
+"""``safeio verify ROOT`` on a ``safeio.Checkpoints`` root: every step, and the ``latest`` pointer.
+
+A committed step is checked against its marker like any promoted directory. A directory under a step's
+name that is not committed is a problem (a step damaged after its commit, or written without safeio:
+``latest()`` never resumes from it). ``latest`` must name a committed step. Stages of saves in progress
+are shown, not judged; those of dead writers are what ``safeio gc`` removes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from typing import Any
+
+from safeio._checkpoints.checkpoints import LATEST
+from safeio._checkpoints.pointer import read_pointer
+from safeio._storage import manifest
+from safeio._storage.locking import lock_path_for
+from safeio._storage.readers import verify
+from safeio.cli._common import EXIT_OK, EXIT_PROBLEMS, print_json
+from safeio.cli.ls import checkpoint_rows, name_patterns
+
+
+def is_checkpoint_root(path: str) -> bool:
+    """A directory holding a ``latest`` pointer or the root lock that ``Checkpoints`` takes."""
+    return os.path.isfile(os.path.join(path, LATEST)) or os.path.lexists(lock_path_for(path, "checkpoints"))
+
+
+def verify_root(root: str, args: argparse.Namespace) -> int:
+    rows = checkpoint_rows(root, name_patterns(root, None))
+    problems: list[str] = []
+    for row in rows:
+        if row["step"] is None:
+            continue
+        path = os.path.join(root, row["name"])
+        found = verify(path, check_hashes=not args.no_hashes)
+        row["problems"] = found
+        if row["state"] != "committed" or found:
+            has_marker = manifest.read(path) is not None
+            why = "damaged after its commit" if has_marker else "not committed (no valid marker)"
+            problems.append(f"{row['name']}: {why}; latest() never resumes from it: {'; '.join(found)}")
+    latest = read_pointer(os.path.join(root, LATEST))
+    if latest is not None and not any(r["name"] == latest and r["state"] == "committed" for r in rows):
+        problems.append(f"latest names {latest!r}, which is not a committed checkpoint")
+    report: dict[str, Any] = {
+        "path": root,
+        "ok": not problems,
+        "problems": problems,
+        "latest": latest,
+        "checkpoints": rows,
+    }
+    if args.json:
+        print_json(report)
+    else:
+        committed = [r["name"] for r in rows if r["state"] == "committed" and not r.get("problems")]
+        head = "ok" if not problems else f"FAILED: {len(problems)} problem(s)"
+        print(f"{head}: {root}: {len(committed)} committed checkpoint(s), latest {latest!r}")
+        for problem in problems:
+            print(f"  {problem}")
+        for row in rows:
+            if row["step"] is None:
+                print(f"  note: {row['name']}: {row['state']}")
+    return EXIT_OK if not problems else EXIT_PROBLEMS

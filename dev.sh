@@ -36,7 +36,7 @@ ensure_venv() {
   fi
   # Reinstall only when the project's requirements changed.
   stamp="$VENV/.safeio-stamp"
-  want=$(cat pyproject.toml dev.sh | sha256sum | cut -c1-16)
+  want=$(cat pyproject.toml setup.py safeio/_autopatch/safeio-autopatch.pth dev.sh | sha256sum | cut -c1-16)
   if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
     echo "dev.sh: installing safeio and its test dependencies into $VENV" >&2
     "$VENV/bin/python" -m pip install -q --upgrade pip

@@ -20,6 +20,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("safeio._diagnostics",),
     ("safeio._saves",),
     ("safeio._checkpoints",),
+    ("safeio._autopatch",),
     ("safeio", "safeio.__main__", "safeio.cli", "safeio.testing"),
 ]
 

@@ -1,4 +1,4 @@
-"""The ``safeio`` command (also ``python -m safeio``): doctor, gc, verify, ls, demo, audit report.
+"""The ``safeio`` command (also ``python -m safeio``): doctor, gc, verify, ls, demo, audit report, autopatch.
 
 Each subcommand lives in its own module with ``add_parser(subparsers)`` and ``run(args) -> int``; the
 modules import nothing heavy at import time (torch, transformers and FUSE only inside ``run``), so
@@ -14,6 +14,7 @@ from collections.abc import Sequence
 
 from safeio._errors import SafeIOError
 from safeio.cli import audit as audit
+from safeio.cli import autopatch as autopatch
 from safeio.cli import demo as demo
 from safeio.cli import doctor as doctor
 from safeio.cli import gc as gc
@@ -27,11 +28,12 @@ EPILOG = """\
 exit codes:
   0    success: doctor printed its report, gc finished (also when nothing was removable),
        verify found the target complete, ls listed a root whose latest is committed, demo's safeio
-       pattern ran clean, audit found no conflicts
+       pattern ran clean, audit found no conflicts, autopatch saw a new process patched
   1    problems found: verify found the target incomplete, damaged or missing; ls found latest naming
        something not committed; gc could not remove
        something; doctor found the filesystem breaks a guarantee safeio relies on (atomic rename,
-       exclusive create); demo's safeio pattern failed; audit found conflicts
+       exclusive create); demo's safeio pattern failed; audit found conflicts; autopatch
+       saw no patch in a new process
   2    usage error or bad input (missing path, a file where a directory is needed, no permission)
   130  interrupted (Ctrl-C); whatever the command had created is removed first
 """
@@ -49,7 +51,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("-v", "--verbose", action="store_true", help="log safeio's debug messages to stderr")
     commands = parser.add_subparsers(dest="command", metavar="COMMAND")
     commands.required = True
-    for module in (doctor, gc, verify, ls, demo, audit):
+    for module in (doctor, gc, verify, ls, demo, audit, autopatch):
         module.add_parser(commands, EPILOG)
     return parser
 

@@ -21,7 +21,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("safeio._saves",),
     ("safeio._checkpoints",),
     ("safeio._autopatch",),
-    ("safeio", "safeio.__main__", "safeio.cli", "safeio.testing"),
+    ("safeio", "safeio.__main__", "safeio.cli", "safeio.testing", "safeio.integrations"),
 ]
 
 
@@ -98,7 +98,7 @@ def test_only_the_documented_modules_look_public() -> None:
     public = sorted(
         p.name for p in PACKAGE.iterdir() if not p.name.startswith(("_", ".")) and p.name != "py.typed"
     )
-    assert public == ["cli", "testing"]
+    assert public == ["cli", "integrations", "testing"]
 
 
 def test_lower_layers_never_import_upper_ones() -> None:

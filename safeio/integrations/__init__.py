@@ -1,0 +1,9 @@
+"""Adapters for the frameworks users run: one module each, the framework an optional extra.
+
+- ``safeio.integrations.lightning``: ``SafeCheckpointIO`` (``Trainer(plugins=[SafeCheckpointIO()])``) and
+  ``SafeModelCheckpoint`` (an atomic ``last.ckpt`` link).
+- ``safeio.integrations.accelerate``: ``save_state`` / ``load_state`` through ``safeio.Checkpoints``.
+- ``safeio.integrations.transformers``: ``CheckpointsTrainerMixin`` and ``get_last_checkpoint``.
+
+Importing this package imports no framework; each module imports its own.
+"""

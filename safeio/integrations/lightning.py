@@ -1,0 +1,99 @@
+"""Lightning: ``Trainer(plugins=[SafeCheckpointIO()])`` and ``SafeModelCheckpoint(save_last="link")``.
+
+Lightning's own ``TorchCheckpointIO`` serialises the checkpoint into memory, then writes it through an
+fsspec transaction whose temporary file lives in the system ``/tmp``: on NFS the final move is a copy
+into place, and a crash during it leaves a torn ``.ckpt`` under its final name. ``SafeCheckpointIO``
+writes a temporary file in the checkpoint's own directory, fsyncs it, renames it over the name and
+fsyncs the directory (``safeio.atomic_open``); object-store URLs are uploaded whole (one PUT). It streams
+``torch.save`` into the file (no second copy of the checkpoint in memory), removes checkpoints by
+renaming them aside first, and composes with ``AsyncCheckpointIO(SafeCheckpointIO())``.
+
+``ModelCheckpoint(save_last="link")`` replaces ``last.ckpt`` by removing it and then creating the link:
+in between, and after a crash there, there is no ``last.ckpt`` at all. ``SafeModelCheckpoint`` makes
+the new link beside it and renames it over the old one.
+"""
+
+from __future__ import annotations
+
+import os
+import stat
+from typing import Any
+
+from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
+from lightning.pytorch.callbacks import ModelCheckpoint
+
+from safeio._saves.atomic import atomic_open
+from safeio._storage.dirfd import held_directory, lstat_at
+from safeio._storage.fsops import remove_at
+from safeio._storage.location import resolve
+from safeio._storage.names import sibling_name
+
+__all__ = ["SafeCheckpointIO", "SafeModelCheckpoint"]
+
+
+class SafeCheckpointIO(TorchCheckpointIO):
+    """``TorchCheckpointIO`` whose saves are atomic and durable in place, and whose removals are safe.
+
+    Lightning calls ``save_checkpoint`` on global rank 0 only; nothing here waits for other ranks.
+    """
+
+    def __init__(self, *, durable: bool = True) -> None:
+        super().__init__()
+        self.durable = durable
+
+    def save_checkpoint(
+        self, checkpoint: dict[str, Any], path: Any, storage_options: Any | None = None
+    ) -> None:
+        if storage_options is not None:
+            raise TypeError(
+                f"SafeCheckpointIO.save_checkpoint takes no storage_options, got {storage_options!r}"
+            )
+        import torch
+
+        target = os.fspath(path)
+        location = resolve(target)
+        if location.is_local:
+            os.makedirs(location.parent, exist_ok=True)
+        with atomic_open(target, "wb", durable=self.durable) as f:
+            torch.save(checkpoint, f)
+
+    def remove_checkpoint(self, path: Any) -> None:
+        target = os.fspath(path)
+        location = resolve(target)
+        if not location.is_local:
+            super().remove_checkpoint(target)
+            return
+        name = location.name
+        with held_directory(location.parent, follow=True) as parent_fd:
+            st = lstat_at(parent_fd, name)
+            if st is None:
+                return
+            if stat.S_ISLNK(st.st_mode):  # a link (last.ckpt): the link goes, never what it points to
+                os.unlink(name, dir_fd=parent_fd)
+            else:
+                # Renamed aside first: a reader (a resume, an evaluation job) never opens a half-removed
+                # checkpoint under its name; what a crash leaves is a leftover `safeio gc` removes.
+                aside = sibling_name(name, "tmp")
+                os.rename(name, aside, src_dir_fd=parent_fd, dst_dir_fd=parent_fd)
+                remove_at(parent_fd, aside, what="removed checkpoint")
+            if self.durable:
+                os.fsync(parent_fd)
+
+
+class SafeModelCheckpoint(ModelCheckpoint):
+    """``ModelCheckpoint`` whose ``last.ckpt`` link (``save_last="link"``) is replaced atomically."""
+
+    @staticmethod
+    def _link_checkpoint(trainer: Any, filepath: str, linkpath: str) -> None:
+        if trainer.is_global_zero and os.path.abspath(filepath) != os.path.abspath(linkpath):
+            parent = os.path.dirname(os.path.abspath(linkpath))
+            temporary = os.path.join(parent, sibling_name(os.path.basename(linkpath), "tmp"))
+            os.symlink(os.path.relpath(filepath, parent), temporary)
+            try:
+                os.replace(temporary, linkpath)  # readers see the old link or the new one, never none
+            except IsADirectoryError:
+                os.unlink(temporary)
+                raise
+            with held_directory(parent, follow=True) as parent_fd:
+                os.fsync(parent_fd)
+        trainer.strategy.barrier()

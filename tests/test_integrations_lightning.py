@@ -1,0 +1,118 @@
+"""Lightning with ``SafeCheckpointIO`` and ``SafeModelCheckpoint``: real Trainers on gloo ranks (launched
+as torchrun launches them: the environment set, the process group up) on the NFS-like mount."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from safeio.testing.nfslike import Mount
+from safeio.testing.ranks import run_ranks
+
+pytest.importorskip("lightning")
+
+
+class _DieWhilePickled:
+    """Put into a checkpoint: ``torch.save`` is killed in the middle of writing it (a SIGKILL mid-save)."""
+
+    def __reduce__(self) -> Any:
+        os._exit(9)
+
+
+def _fit(
+    rank: int, world: int, root: str, max_steps: int, resume: bool, die_at: int | None, use_async: bool
+) -> Any:
+    import lightning as L
+    import torch
+    from lightning.pytorch.plugins.io import AsyncCheckpointIO
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from safeio.integrations.lightning import SafeCheckpointIO, SafeModelCheckpoint
+
+    class Model(L.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            torch.manual_seed(0)
+            self.layer = torch.nn.Linear(4, 1)
+            self.started_at: int | None = None
+
+        def training_step(self, batch: Any, batch_idx: int) -> Any:
+            return self.layer(batch[0]).pow(2).sum()
+
+        def configure_optimizers(self) -> Any:
+            return torch.optim.SGD(self.parameters(), lr=0.01)
+
+        def on_train_start(self) -> None:
+            self.started_at = self.global_step
+
+        def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+            if die_at is not None and self.global_step == die_at:
+                checkpoint["poison"] = _DieWhilePickled()
+
+    io = SafeCheckpointIO()
+    model = Model()
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=world,
+        strategy="ddp" if world > 1 else "auto",
+        max_steps=max_steps,
+        plugins=[AsyncCheckpointIO(io) if use_async else io],
+        callbacks=[
+            SafeModelCheckpoint(
+                dirpath=root,
+                save_last="link",
+                save_top_k=2,
+                monitor="step",
+                mode="max",
+                every_n_train_steps=1,
+            )
+        ],
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    data = DataLoader(TensorDataset(torch.ones(64, 4)), batch_size=2)
+    trainer.fit(model, data, ckpt_path="last" if resume else None)
+    last = os.path.join(root, "last.ckpt")
+    saved = torch.load(last, weights_only=False)  # every rank loads what rank 0 saved for it
+    same = all(torch.equal(saved["state_dict"][k], v) for k, v in model.state_dict().items())
+    return {
+        "started_at": model.started_at,
+        "step": trainer.global_step,
+        "last_step": saved["global_step"],
+        "same": same,
+        "link": os.readlink(last),
+    }
+
+
+def test_ddp_checkpoints_are_atomic_and_resume(nfslike_mount: Mount) -> None:
+    root = str(nfslike_mount.path / "ckpt")
+    results = run_ranks(_fit, 2, root, 4, False, None, True, timeout=240)
+    for r in results:
+        assert r.value["step"] == 4 and r.value["last_step"] == 4 and r.value["same"], r
+        assert r.value["link"] == "epoch=0-step=4.ckpt", r  # a relative link, replaced atomically
+    names = sorted(os.listdir(root))
+    assert [n for n in names if n.endswith(".ckpt")] == [
+        "epoch=0-step=3.ckpt",
+        "epoch=0-step=4.ckpt",
+        "last.ckpt",
+    ]
+    assert [n for n in names if ".safeio-" in n] == []  # no temporary file, no removal left behind
+    assert nfslike_mount.hazards() == []
+    # Resume from last.ckpt on both ranks.
+    results = run_ranks(_fit, 2, root, 6, True, None, True, timeout=240)
+    assert [(r.value["started_at"], r.value["step"]) for r in results] == [(4, 6), (4, 6)]
+
+
+def test_a_kill_during_a_save_leaves_the_previous_checkpoint_to_resume(tmp_path: Path) -> None:
+    root = str(tmp_path / "ckpt")
+    died = run_ranks(_fit, 1, root, 5, False, 3, False, timeout=240, check=False)
+    assert died[0].error is not None  # killed inside torch.save of step 3's checkpoint
+    names = sorted(os.listdir(root))
+    assert "epoch=0-step=3.ckpt" not in names  # never a torn file under the final name
+    assert os.readlink(os.path.join(root, "last.ckpt")) == "epoch=0-step=2.ckpt"
+    resumed = run_ranks(_fit, 1, root, 4, True, None, False, timeout=240)
+    assert resumed[0].value["started_at"] == 2 and resumed[0].value["step"] == 4

@@ -1,0 +1,138 @@
+"""accelerate through ``safeio.integrations.accelerate``: real Accelerators on gloo ranks, the NFS-like
+mount; every rank's files committed once, ``scaler.pt`` written once, ``total_limit`` after the commit,
+resume from the newest committed checkpoint, and a rank killed mid-save leaving the previous one."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+import safeio
+from safeio.testing.nfslike import Mount
+from safeio.testing.ranks import run_ranks
+from tests.test_checkpoints import _every_rank_past_dcp
+
+pytest.importorskip("accelerate")
+
+
+def _setup(root: str) -> Any:
+    import torch
+    from accelerate import Accelerator
+    from accelerate.utils import ProjectConfiguration
+
+    accelerator = Accelerator(
+        cpu=True,
+        project_config=ProjectConfiguration(
+            project_dir=root, automatic_checkpoint_naming=True, total_limit=2
+        ),
+    )
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 2)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, optimizer = accelerator.prepare(model, optimizer)
+    accelerator.scaler = torch.amp.GradScaler("cpu")  # what mixed precision adds: scaler.pt on every rank
+    return accelerator, model, optimizer
+
+
+def _train(model: Any, optimizer: Any) -> None:
+    import torch
+
+    model(torch.ones(2, 4)).sum().backward()
+    optimizer.step()
+    optimizer.zero_grad()
+
+
+def _loop(rank: int, world: int, root: str, steps: int, die: tuple[int, int] | None) -> dict[str, Any]:
+    import torch
+
+    from safeio.integrations import accelerate as safe_accelerate
+
+    accelerator, model, optimizer = _setup(root)
+    ckpts = safe_accelerate.checkpoints_for(accelerator, timeout=4 if die else 60)
+    resumed = safe_accelerate.load_state(accelerator, ckpts)
+    start = resumed.step + 1 if resumed else 0
+    weights: dict[int, Any] = {}
+    if die is not None and rank == die[0]:
+
+        def killed(models: Any, weights: Any, output_dir: str) -> None:
+            if accelerator.save_iteration == die[1]:
+                os._exit(9)  # a rank killed inside save_state
+
+        accelerator.register_save_state_pre_hook(killed)
+    outcome = None
+    for step in range(start, start + steps):
+        _train(model, optimizer)
+        weights[step] = {k: v.clone() for k, v in model.state_dict().items()}
+        try:
+            saved = safe_accelerate.save_state(accelerator, ckpts)
+        except safeio.CheckpointError as exc:
+            outcome = str(exc)
+            break
+        assert saved.step == step
+    found = ckpts.latest()
+    if outcome is not None:  # a rank died: the job ends here (its restart is the next run_ranks)
+        _every_rank_past_dcp(rank, world, "end", dead=(die[0],) if die else ())
+        return {
+            "resumed": resumed.step if resumed else None,
+            "latest": found.step if found else None,
+            "error": outcome,
+        }
+    # Every rank loads the newest committed checkpoint back and finds what it saved there.
+    accelerator2, model2, _ = _setup(root)
+    loaded = safe_accelerate.load_state(accelerator2, safe_accelerate.checkpoints_for(accelerator2))
+    same = (
+        loaded is not None
+        and loaded.step in weights
+        and all(torch.equal(model2.state_dict()[k], v) for k, v in weights[loaded.step].items())
+    )
+    _every_rank_past_dcp(rank, world, "end", dead=(die[0],) if die else ())
+    return {
+        "resumed": resumed.step if resumed else None,
+        "latest": found.step if found else None,
+        "same": same,
+        "error": outcome,
+    }
+
+
+def test_save_state_commits_once_and_resumes(nfslike_mount: Mount) -> None:
+    root = str(nfslike_mount.path / "project")
+    results = run_ranks(_loop, 2, root, 3, None, timeout=300)
+    for r in results:
+        assert r.value == {"resumed": None, "latest": 2, "same": True, "error": None}, r
+    ckpts = Path(root, "checkpoints")
+    assert sorted(n for n in os.listdir(ckpts) if not n.startswith(".")) == [
+        "checkpoint_1",
+        "checkpoint_2",
+        "latest",
+    ]
+    files = sorted(os.listdir(ckpts / "checkpoint_2"))
+    assert {"random_states_0.pkl", "random_states_1.pkl", "scaler.pt", "model.safetensors"} <= set(files), (
+        files
+    )
+    assert safeio.verify(ckpts / "checkpoint_2") == []
+    assert nfslike_mount.hazards() == []  # scaler.pt written once, nothing truncated under a reader
+    # A second job resumes from the newest committed checkpoint and numbers on from it.
+    results = run_ranks(_loop, 2, root, 1, None, timeout=300)
+    assert [r.value["resumed"] for r in results] == [2, 2] and [r.value["latest"] for r in results] == [3, 3]
+
+
+def test_a_rank_killed_in_save_state_leaves_the_previous_checkpoint(shared_dir: Path) -> None:
+    root = str(shared_dir / "project")
+    results = run_ranks(_loop, 2, root, 3, (1, 2), timeout=300, check=False)
+    assert results[1].error is not None  # rank 1 died in checkpoint_2's save_state
+    survivor = results[0].value
+    assert results[0].error is None, results[0].traceback
+    assert "rank 1 never reported" in survivor["error"], survivor
+    assert survivor["latest"] == 1
+    assert sorted(n for n in os.listdir(Path(root, "checkpoints")) if not n.startswith(".")) == [
+        "checkpoint_0",
+        "checkpoint_1",
+        "latest",
+    ]
+    # The restarted job resumes from checkpoint_1, loads exactly it, and saves checkpoint_2 anew.
+    results = run_ranks(_loop, 2, root, 1, None, timeout=300)
+    for r in results:
+        assert r.value == {"resumed": 1, "latest": 2, "same": True, "error": None}, r

@@ -43,6 +43,7 @@ class LocalSteps:
         self.options = options
         self.keep = keep
         self.megatron_tracker = megatron_tracker
+        self.protected: set[str] = set()  # step names retention never removes (a Trainer's best model)
 
     def url(self, name: str) -> str:
         return os.path.join(self.root, name)
@@ -127,6 +128,8 @@ class LocalSteps:
         if keep is None or len(committed) <= keep:
             return
         for _, entry in committed[:-keep]:  # never the newest: keep >= 1
+            if entry in self.protected:
+                continue
             # Renamed aside first: a reader never finds a half-deleted checkpoint under its name. As a
             # "tmp" sibling, not an "old" one: recovery restores an old version whose name is missing,
             # and a retired checkpoint killed half deleted must go, never come back as a step.

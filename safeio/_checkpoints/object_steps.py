@@ -64,6 +64,7 @@ class ObjectSteps:
         self.options = options
         self.keep = keep
         self.megatron_tracker = megatron_tracker
+        self.protected: set[str] = set()  # step names retention never removes (a Trainer's best model)
 
     def url(self, name: str) -> str:
         return self.location.url(f"{self.prefix}/{name}")
@@ -178,6 +179,8 @@ class ObjectSteps:
         if keep is None or len(committed) <= keep:
             return
         for _, name in committed[:-keep]:  # never the newest: keep >= 1
+            if name in self.protected:
+                continue
             # The marker first: from then on the step is not a checkpoint, whatever is left of it.
             self.fs.rm_file(self._key(name, manifest.MANIFEST_NAME))
             self.fs.rm(self._key(name), recursive=True)

@@ -1,0 +1,110 @@
+"""The HF Trainer with ``CheckpointsTrainerMixin``: real Trainers on gloo ranks (launched the way torchrun
+launches them) on the NFS-like mount. Every ``checkpoint-N`` committed once with every rank's files,
+rotation after the commit, resume only from a committed checkpoint, a rank killed mid-save."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import safeio
+from safeio.testing import hf_objects
+from safeio.testing.nfslike import Mount
+from safeio.testing.ranks import run_ranks
+from tests.test_checkpoints import _every_rank_past_dcp
+
+
+def _run(rank: int, world: int, output_dir: str, max_steps: int, resume: bool, die_at: int | None) -> Any:
+    import torch
+    from transformers import Trainer, TrainerCallback, TrainingArguments
+
+    from safeio.integrations.transformers import CheckpointsTrainerMixin
+
+    class Tiny(torch.utils.data.Dataset):  # type: ignore[type-arg]
+        def __len__(self) -> int:
+            return 64
+
+        def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+            ids = torch.tensor([(i + j) % 60 + 4 for j in range(8)])
+            return {"input_ids": ids, "labels": ids}
+
+    class MyTrainer(CheckpointsTrainerMixin, Trainer):
+        def _save_rng_state(self, output_dir: str) -> None:
+            super()._save_rng_state(output_dir)
+            if die_at is not None and rank == 1 and self.state.global_step == die_at:
+                os._exit(9)  # killed after writing part of its checkpoint, before reporting it
+
+    class Started(TrainerCallback):
+        at: int | None = None
+
+        def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+            Started.at = state.global_step
+
+    args = TrainingArguments(
+        output_dir=output_dir,
+        max_steps=max_steps,
+        save_steps=1,
+        save_total_limit=2,
+        per_device_train_batch_size=2,
+        use_cpu=True,
+        report_to=[],
+        ddp_backend="gloo",
+    )
+    trainer = MyTrainer(
+        model=hf_objects.tiny_model(),
+        args=args,
+        train_dataset=Tiny(),
+        processing_class=hf_objects.fast_tokenizer(),
+        callbacks=[Started()],
+        safeio_timeout=2.5 if die_at is not None else 30,
+    )
+    error = None
+    try:
+        trainer.train(resume_from_checkpoint=True if resume else None)
+    except safeio.CheckpointError as exc:
+        error = str(exc)
+    _every_rank_past_dcp(rank, world, "end", dead=(1,) if die_at is not None else ())
+    return {"started_at": Started.at, "step": trainer.state.global_step, "error": error}
+
+
+def _checkpoints(output_dir: str) -> list[str]:
+    return sorted(n for n in os.listdir(output_dir) if n.startswith("checkpoint-"))
+
+
+def test_trainer_checkpoints_are_committed_rotated_and_resumed(nfslike_mount: Mount) -> None:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from safeio.integrations.transformers import get_last_checkpoint
+
+    output = str(nfslike_mount.path / "run")
+    results = run_ranks(_run, 2, output, 3, False, None, timeout=300)
+    assert [r.value["step"] for r in results] == [3, 3]
+    assert _checkpoints(output) == ["checkpoint-2", "checkpoint-3"]  # save_total_limit=2, after commits
+    newest = Path(output, "checkpoint-3")
+    files = set(os.listdir(newest))
+    assert {"rng_state_0.pth", "rng_state_1.pth", "trainer_state.json", "tokenizer.json"} <= files, files
+    assert safeio.verify(newest) == []  # every rank's files listed by the commit marker
+    assert [n for n in os.listdir(output) if ".safeio-stage" in n] == []
+    assert nfslike_mount.hazards() == []
+    AutoModelForCausalLM.from_pretrained(newest)
+    AutoTokenizer.from_pretrained(newest)
+    # A half-written checkpoint-4 (a crash without safeio) is never resumed from.
+    os.mkdir(Path(output, "checkpoint-4"))
+    Path(output, "checkpoint-4", "model.safetensors").write_bytes(b"torn")
+    assert get_last_checkpoint(output) == str(newest)
+    import shutil
+
+    shutil.rmtree(Path(output, "checkpoint-4"))  # safeio never overwrites what it did not write
+    results = run_ranks(_run, 2, output, 5, True, None, timeout=300)
+    assert [(r.value["started_at"], r.value["step"]) for r in results] == [(3, 5), (3, 5)]
+
+
+def test_a_rank_killed_during_a_trainer_save_leaves_the_previous_checkpoint(shared_dir: Path) -> None:
+    output = str(shared_dir / "run")
+    results = run_ranks(_run, 2, output, 4, False, 3, timeout=300, check=False)
+    assert results[1].error is not None and results[0].error is None, results[0].traceback
+    assert "rank 1 never reported" in results[0].value["error"], results[0].value
+    assert _checkpoints(output) == ["checkpoint-1", "checkpoint-2"]  # nothing of step 3 committed
+    results = run_ranks(_run, 2, output, 4, True, None, timeout=300)
+    assert [(r.value["started_at"], r.value["step"]) for r in results] == [(2, 4), (2, 4)]

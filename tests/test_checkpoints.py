@@ -178,7 +178,7 @@ def test_object_store_steps_interrupted_foreign_and_retained(s3: dict[str, str])
 def _one_rank_fails(rank: int, world: int, root: str, how: str) -> dict[str, Any]:
     import torch.distributed.checkpoint as dcp
 
-    ckpts = safeio.Checkpoints(root, keep=3, timeout=8)
+    ckpts = safeio.Checkpoints(root, keep=3, timeout=4)
     with ckpts.save(1) as ckpt:
         dcp.save(_state(1), checkpoint_id=ckpt.path)
     outcome: dict[str, Any] = {}

@@ -272,7 +272,7 @@ def test_planted_metadata_on_local_disk(local_places: Places, drawn: dict[str, A
     _exercise(*local_places.fresh(), drawn)
 
 
-@settings(FUZZ, max_examples=15)
+@settings(FUZZ, max_examples=8)
 @given(drawn=shares())
 def test_planted_metadata_on_the_nfslike_mount(nfslike_places: Places, drawn: dict[str, Any]) -> None:
     _exercise(*nfslike_places.fresh(), drawn)

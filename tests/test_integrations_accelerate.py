@@ -34,7 +34,25 @@ def _setup(root: str) -> Any:
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     model, optimizer = accelerator.prepare(model, optimizer)
     accelerator.scaler = torch.amp.GradScaler("cpu")  # what mixed precision adds: scaler.pt on every rank
+    accelerator._dataloaders.append(_StatefulLoader())  # as prepare() registers a stateful DataLoader
     return accelerator, model, optimizer
+
+
+class _StatefulLoader:
+    """What accelerate reads of a prepared ``use_stateful_dataloader`` loader (torchdata's
+    StatefulDataLoader is not installed here): its dataset and its state, saved as dl_state_dict.bin."""
+
+    use_stateful_dataloader = True
+    dataset: list[int] = []
+
+    def __init__(self) -> None:
+        self.position = 0
+
+    def state_dict(self) -> dict[str, int]:
+        return {"position": self.position}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self.position = state["position"]
 
 
 def _train(model: Any, optimizer: Any) -> None:
@@ -113,7 +131,7 @@ def test_save_state_commits_once_and_resumes(nfslike_mount: Mount) -> None:
         files
     )
     assert safeio.verify(ckpts / "checkpoint_2") == []
-    assert nfslike_mount.hazards() == []  # scaler.pt written once, nothing truncated under a reader
+    assert nfslike_mount.hazards() == []  # scaler.pt and dl_state_dict.bin written once
     # A second job resumes from the newest committed checkpoint and numbers on from it.
     results = run_ranks(_loop, 2, root, 1, None, timeout=300)
     assert [r.value["resumed"] for r in results] == [2, 2] and [r.value["latest"] for r in results] == [3, 3]

@@ -19,6 +19,7 @@ from typing import Any
 import pytest
 
 import safeio
+from safeio._boundary import io_errno
 from safeio.testing import hf_objects
 from safeio.testing.nfslike import Mount
 from safeio.testing.ranks import run_ranks
@@ -69,6 +70,11 @@ def _workload(rank: int, world: int, target: str, how: str, iterations: int) -> 
             errors.append(errno.errorcode.get(exc.errno or 0, str(exc.errno)))
         except safeio.SafeIOError as exc:
             errors.append(type(exc).__name__)
+        except Exception as exc:  # the tokenizers library (Rust) raises a bare Exception for an io error
+            code = io_errno(exc)
+            if code is None:
+                raise
+            errors.append(errno.errorcode.get(code, str(code)))
     return {"pid": os.getpid(), "errors": errors}
 
 

@@ -49,7 +49,7 @@ def _rank(rank: int, port: int, cycle: int, root: str, out: str) -> None:
     found = ckpts.latest()
     with open(os.path.join(out, f"{cycle}-{rank}.json"), "w") as f:
         json.dump({"latest": found.step if found else None}, f)
-    store.add("started", 1)
+    store.set(f"started/{rank}", "1")
     start = found.step if found else 0
     for step in range(start + 1, start + 10_000):
         with ckpts.save(step) as ckpt:
@@ -92,9 +92,8 @@ def _kill_loop(root: Path, out: Path, rng: random.Random, kills: int) -> dict[st
         ]
         for proc in ranks:
             proc.start()
-        store.wait(["started"], timedelta(seconds=60))  # every rank agreed on latest() and is saving
-        while int(store.add("started", 0)) < WORLD:
-            store.wait(["started"], timedelta(seconds=1))
+        # Every rank agreed on latest() and is saving.
+        store.wait([f"started/{r}" for r in range(WORLD)], timedelta(seconds=60))
         time.sleep(rng.uniform(0, 0.3))  # a random moment of the loop (tens of saves): this is the point
         victim = rng.randrange(WORLD)
         os.kill(ranks[victim].pid, signal.SIGKILL)  # type: ignore[arg-type]

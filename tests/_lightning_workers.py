@@ -9,7 +9,7 @@ import lightning as L
 import torch
 from torch.utils.data import DataLoader, TensorDataset
 
-from tests._spawned_workers import ITERATIONS, _report, _save_and_read
+from tests._spawned_workers import _report, save_until_a_failure
 
 
 class Model(L.LightningModule):
@@ -25,10 +25,12 @@ class Model(L.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=0.1)
 
     def on_train_end(self) -> None:
-        errors: list[str] = []
-        for _ in range(ITERATIONS):
-            self.trainer.strategy.barrier()
-            errors += _save_and_read(self.target)
+        strategy = self.trainer.strategy
+
+        def failed_anywhere(failed: bool) -> bool:
+            return bool(strategy.reduce(torch.tensor(float(failed)), reduce_op="sum") > 0)
+
+        errors = save_until_a_failure(strategy.barrier, failed_anywhere, self.target)  # every rank
         _report(self.out, self.global_rank, errors)
 
 

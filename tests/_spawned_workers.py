@@ -13,8 +13,9 @@ import errno
 import json
 import os
 import sys
+from typing import Any
 
-ITERATIONS = 3
+ITERATIONS = 8  # at most: every rank stops after the first iteration in which any rank failed
 
 
 def _save_and_read(target: str) -> list[str]:
@@ -41,15 +42,30 @@ def _report(out: str, rank: int, errors: list[str]) -> None:
         json.dump({"errors": errors, "patched": bool(os.environ.get("SAFEIO_PATCH_ACTIVE"))}, f)
 
 
+def save_until_a_failure(barrier: Any, failed_anywhere: Any, target: str) -> list[str]:
+    """The seed's loop: line up, every rank saves and reads back; stop once any rank has failed."""
+    errors: list[str] = []
+    for _ in range(ITERATIONS):
+        barrier()  # the ranks line up, as at the end of a training step
+        errors += _save_and_read(target)
+        if failed_anywhere(bool(errors)):
+            break
+    return errors
+
+
 def _spawned(rank: int, world: int, port: int, target: str, out: str) -> None:
+    import torch
     import torch.distributed as dist
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
     dist.init_process_group("gloo", rank=rank, world_size=world)
-    errors: list[str] = []
-    for _ in range(ITERATIONS):
-        dist.barrier()  # the ranks line up, as at the end of a training step
-        errors += _save_and_read(target)
+
+    def failed_anywhere(failed: bool) -> bool:
+        count = torch.tensor([int(failed)])
+        dist.all_reduce(count)
+        return bool(count.item())
+
+    errors = save_until_a_failure(dist.barrier, failed_anywhere, target)
     dist.barrier()
     _report(out, rank, errors)
     dist.destroy_process_group()

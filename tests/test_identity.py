@@ -30,7 +30,7 @@ from safeio.testing.nfslike import Mount
 from safeio.testing.ranks import run_ranks
 from tests.test_nfs_proof import _enter_client_b
 
-HOLD = 1.5  # how long rank 0 holds its tokenizer save back, waiting for a peer that returned early
+HOLD = 1.0  # how long rank 0 holds its tokenizer save back, waiting for a peer that returned early
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
 
 

@@ -152,7 +152,7 @@ def _two_clients(rank: int, world: int, path_a: str, path_b: str, use_safeio: bo
     return {"seen_before": seen_before, "visible": visible}
 
 
-@pytest.mark.fuse_opts(entry_timeout=10.0, negative_timeout=10.0, attr_timeout=10.0)
+@pytest.mark.fuse_opts(entry_timeout=4.0, negative_timeout=4.0, attr_timeout=4.0)
 def test_two_clients_see_the_promoted_version(nfslike_clients: tuple[Mount, Mount]) -> None:
     a, b = nfslike_clients
     plain = run_ranks(_two_clients, 2, str(a.path), str(b.path), False)
@@ -238,7 +238,7 @@ def test_hang_fault_makes_peers_time_out(nfslike_mount: Mount) -> None:
     target = nfslike_mount.path / "tok"
     import threading
 
-    releaser = threading.Timer(12.0, nfslike_mount.release)  # the writer stays stuck until then
+    releaser = threading.Timer(7.0, nfslike_mount.release)  # the writer stays stuck until then
     releaser.start()
     try:
         start = time.monotonic()

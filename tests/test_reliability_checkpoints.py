@@ -2,14 +2,15 @@
 again; after every kill the job restarts and resumes, as a preempted job does.
 
 Invariants checked after every kill: ``latest()`` is the same on every rank of the restarted job, names a
-committed step, and that step loads completely (every rank's shard has the step's bytes, the replicated
-trainer state says the step); no step directory under its final name is partial; retention never left
-zero committed checkpoints once one was committed.
+committed step, and that step loads completely (``dcp.load`` of every rank's shard equals what it saved
+at that step, the replicated trainer state says the step, the tokenizer loads); no step directory under
+its final name is partial; retention never left zero committed checkpoints once one was committed.
 
 The ranks are real processes sharing a real TCPStore (hosted here, so it survives the kills) through
 ``safeio.Group``; they do not start torch.distributed's process group, which makes a restart cost
-milliseconds instead of a second (the protocol under test uses the store only; the killed-rank case with
-real gloo ranks and DCP is in tests/test_checkpoints.py). The default scale makes 100 kills, in two
+milliseconds instead of a second (the protocol under test uses the store only), so each rank's DCP
+shard is a checkpoint of its own (``no_dist``) in its own directory of the step; the killed-rank case
+with real gloo ranks and one collective DCP checkpoint is in tests/test_checkpoints.py. The default scale makes 100 kills, in two
 independent jobs run side by side (the suite must stay under 10 minutes); ``--scale 3`` makes 300.
 """
 
@@ -33,19 +34,25 @@ WORLD = 3
 TIMEOUT = 0.25  # how long ranks wait for each other: a dead rank is noticed within about twice this
 KILLS = scaled(100)  # 300 with scripts/reliability_report.py --scale 3
 JOBS = 2
-SHARD_BYTES = 64 << 10
+SHARD_ELEMENTS = 16 << 10  # 64 KiB of float32 per rank
 
 
-def _payload(step: int, rank: int) -> bytes:
-    return f"step {step} rank {rank}\n".encode() * (SHARD_BYTES // 16)
+def _shard(step: int, rank: int) -> Any:
+    import torch
+
+    return {"w": torch.full((SHARD_ELEMENTS,), float(step * 10 + rank))}
 
 
 def _rank(rank: int, port: int, cycle: int, root: str, out: str) -> None:
     import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+
+    from safeio.testing import hf_objects
 
     store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=30))
     group = safeio.Group(rank, WORLD, store=store, name=f"cycle{cycle}")
     ckpts = safeio.Checkpoints(root, keep=2, group=group, timeout=TIMEOUT, durable=False)
+    tokenizer = hf_objects.fast_tokenizer()
     found = ckpts.latest()
     with open(os.path.join(out, f"{cycle}-{rank}.json"), "w") as f:
         json.dump({"latest": found.step if found else None}, f)
@@ -53,14 +60,18 @@ def _rank(rank: int, port: int, cycle: int, root: str, out: str) -> None:
     start = found.step if found else 0
     for step in range(start + 1, start + 10_000):
         with ckpts.save(step) as ckpt:
-            Path(ckpt.path, f"shard{rank}.bin").write_bytes(_payload(step, rank))  # sharded
-            with safeio.replicated(os.path.join(ckpt.path, "trainer")) as stage:  # replicated
-                if stage.is_writer:
-                    Path(stage.path, "state.json").write_text(json.dumps({"step": step}))
+            # Sharded: each rank its own DCP files (without a process group: one DCP checkpoint per rank).
+            dcp.save(_shard(step, rank), checkpoint_id=os.path.join(ckpt.path, f"rank{rank}"), no_dist=True)
+            safeio.save_pretrained(tokenizer, ckpt.path, group=group)  # replicated: written once
+            safeio.torch_save({"step": step}, os.path.join(ckpt.path, "trainer_state.pt"), group=group)
 
 
 def _check_root(root: Path) -> tuple[int | None, int]:
     """The checkpoint a restart resumes from, checked complete; and how many are committed."""
+    import torch
+    import torch.distributed.checkpoint as dcp
+    from transformers import AutoTokenizer
+
     ckpts = safeio.Checkpoints(root, keep=2)
     for entry in os.listdir(root) if root.exists() else []:
         if entry.startswith("step_"):  # a stage is renamed to its final name only once it is whole
@@ -68,9 +79,12 @@ def _check_root(root: Path) -> tuple[int | None, int]:
     latest = ckpts.latest()
     if latest is None:
         return None, 0
-    for rank in range(WORLD):
-        assert Path(latest.path, f"shard{rank}.bin").read_bytes() == _payload(latest.step, rank)
-    assert json.loads(Path(latest.path, "trainer", "state.json").read_text()) == {"step": latest.step}
+    for rank in range(WORLD):  # dcp.load gives back exactly what each rank saved at that step
+        loaded = {"w": torch.zeros(SHARD_ELEMENTS)}
+        dcp.load(loaded, checkpoint_id=os.path.join(latest.path, f"rank{rank}"), no_dist=True)
+        assert torch.equal(loaded["w"], _shard(latest.step, rank)["w"]), (latest, rank)
+    assert torch.load(os.path.join(latest.path, "trainer_state.pt")) == {"step": latest.step}
+    AutoTokenizer.from_pretrained(latest.path)  # the replicated tokenizer loads
     # The pointer names a whole step: the newest, or the one before if a kill fell between the rename
     # and the pointer's replacement (the next commit moves it on).
     assert safeio.verify(root / (root / "latest").read_text()) == []
@@ -115,7 +129,12 @@ def _kill_loop(root: Path, out: Path, rng: random.Random, kills: int) -> dict[st
 
 def test_kill_a_random_rank_of_a_checkpoint_loop_again_and_again(tmp_path: Path) -> None:
     print(f"seed {SEED}, {KILLS} kills in {JOBS} jobs")
-    mp.get_context("forkserver").set_forkserver_preload(["torch.distributed", "safeio"])
+    import torch.distributed.checkpoint  # noqa: F401 - imported here: the jobs' threads must not race
+    from transformers import AutoTokenizer  # noqa: F401 - on transformers' lazy imports
+
+    mp.get_context("forkserver").set_forkserver_preload(
+        ["torch.distributed", "torch.distributed.checkpoint", "transformers", "safeio"]
+    )
     # Independent jobs (own root, own store, own ranks) run side by side: a cycle mostly waits (for
     # the random moment, then for the survivors' timeout), so two jobs take little longer than one.
     reports: dict[int, Any] = {}

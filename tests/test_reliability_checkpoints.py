@@ -51,9 +51,11 @@ def _rank(rank: int, port: int, cycle: int, root: str, out: str) -> None:
 
     store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=30))
     group = safeio.Group(rank, WORLD, store=store, name=f"cycle{cycle}")
+    # Resuming waits as long as a job's start may take (under load, longer than TIMEOUT); the saves
+    # wait TIMEOUT, so that a killed rank is noticed at once.
+    found = safeio.Checkpoints(root, group=group, timeout=30).latest()
     ckpts = safeio.Checkpoints(root, keep=2, group=group, timeout=TIMEOUT, durable=False)
     tokenizer = hf_objects.fast_tokenizer()
-    found = ckpts.latest()
     with open(os.path.join(out, f"{cycle}-{rank}.json"), "w") as f:
         json.dump({"latest": found.step if found else None}, f)
     store.set(f"started/{rank}", "1")

@@ -89,6 +89,25 @@ def _rank_main(
                 dist.destroy_process_group()
 
 
+# transformers imports lazily: the modules safeio's patch wraps (processing_utils alone takes ~1.7 s)
+# and those the ranks' saves and loads use are imported here once, not in every rank of every call.
+PRELOAD = [
+    "torch.distributed",
+    "torch.distributed.checkpoint",
+    "transformers",
+    "transformers.tokenization_utils_base",
+    "transformers.tokenization_utils_tokenizers",
+    "transformers.models.auto.tokenization_auto",
+    "transformers.processing_utils",
+    "transformers.image_processing_base",
+    "transformers.feature_extraction_utils",
+    "transformers.video_processing_utils",
+    "transformers.configuration_utils",
+    "transformers.generation.configuration_utils",
+    "safeio",
+]
+
+
 def run_ranks(
     fn: Callable[..., Any],
     world_size: int,
@@ -106,7 +125,7 @@ def run_ranks(
     if _START_METHOD == "forkserver":
         # Imported once in the fork server, inherited by every rank: a rank starts in milliseconds
         # instead of importing torch and transformers anew (missing modules are skipped).
-        ctx.set_forkserver_preload(["torch.distributed", "transformers", "safeio"])
+        ctx.set_forkserver_preload(PRELOAD)
     results = ctx.Queue()
     port = free_port()
     procs = [

@@ -29,6 +29,7 @@ import logging
 import os
 import platform
 import threading
+import time
 
 from safeio.testing.nfslike._handles import HandleTable, InodeKey
 
@@ -40,6 +41,7 @@ _HELD_PREFIX = "/proc/self/fd/"
 
 # rename, renameat, renameat2 (asm/unistd_64.h; asm-generic/unistd.h)
 _RENAME_SYSCALLS = {"x86_64": {82, 264, 316}, "aarch64": {38, 276}}
+_RUNNING_RETRIES = 50  # 1 ms apart
 
 
 def caller_is_renaming(tid: int) -> bool:
@@ -51,12 +53,19 @@ def caller_is_renaming(tid: int) -> bool:
     numbers = _RENAME_SYSCALLS.get(platform.machine())
     if numbers is None:
         return False
-    try:
-        with open(f"/proc/{tid}/syscall", encoding="ascii") as syscall:
-            current = syscall.read().split(maxsplit=1)
-    except OSError:
-        return False
-    return bool(current) and current[0].isdigit() and int(current[0]) in numbers
+    # The caller waits for this very request, but for a moment after a wake-up its task reads as
+    # "running" (no syscall number): ask again, briefly. Under load, taking that moment for "not a
+    # rename" removed the name before the rename and a reader got ENOENT.
+    for _ in range(_RUNNING_RETRIES):
+        try:
+            with open(f"/proc/{tid}/syscall", encoding="ascii") as syscall:
+                current = syscall.read().split(maxsplit=1)
+        except OSError:
+            return False
+        if current and current[0].isdigit():
+            return int(current[0]) in numbers
+        time.sleep(0.001)
+    return False
 
 
 def is_hidden(path: str | None) -> bool:

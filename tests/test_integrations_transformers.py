@@ -108,3 +108,21 @@ def test_a_rank_killed_during_a_trainer_save_leaves_the_previous_checkpoint(shar
     assert _checkpoints(output) == ["checkpoint-1", "checkpoint-2"]  # nothing of step 3 committed
     results = run_ranks(_run, 2, output, 4, True, None, timeout=300)
     assert [(r.value["started_at"], r.value["step"]) for r in results] == [(2, 4), (2, 4)]
+
+
+def test_safe_trainer_and_an_unsupported_trainer_shape() -> None:
+    import pytest
+    from transformers import Trainer
+
+    from safeio.integrations import transformers as safe_transformers
+    from safeio.integrations.transformers import CheckpointsTrainerMixin, SafeTrainer
+
+    assert issubclass(SafeTrainer, Trainer) and issubclass(SafeTrainer, CheckpointsTrainerMixin)
+    assert safe_transformers.SafeTrainer is SafeTrainer  # one class, built once
+
+    class Renamed(CheckpointsTrainerMixin, Trainer):
+        def _save_checkpoint(self, trainer_model: Any, trial: Any) -> None:  # type: ignore[override]
+            raise AssertionError("never reached")
+
+    with pytest.raises(safeio.UnsupportedSaveError, match="not the \\(model, trial\\) method"):
+        Renamed()

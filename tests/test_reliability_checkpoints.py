@@ -27,6 +27,8 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 import safeio
 from tests._reliability import SEED, record, scaled
 
@@ -129,6 +131,7 @@ def _kill_loop(root: Path, out: Path, rng: random.Random, kills: int) -> dict[st
     return {"kills": kills, "final_step": final, "resumed": resumed}
 
 
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")  # dcp.load(no_dist=True)
 def test_kill_a_random_rank_of_a_checkpoint_loop_again_and_again(tmp_path: Path) -> None:
     print(f"seed {SEED}, {KILLS} kills in {JOBS} jobs")
     import torch.distributed.checkpoint  # noqa: F401 - imported here: the jobs' threads must not race

@@ -339,16 +339,7 @@ def test_model_saved_on_every_rank_only_writer_promoted(shared_dir: Path) -> Non
 
 
 def _trainer_run(rank: int, world: int, output_dir: str) -> list[str]:
-    import torch
     from transformers import Trainer, TrainingArguments
-
-    class Tiny(torch.utils.data.Dataset):  # type: ignore[type-arg]
-        def __len__(self) -> int:
-            return 8
-
-        def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
-            ids = torch.tensor([(i + j) % 60 + 4 for j in range(8)])
-            return {"input_ids": ids, "labels": ids}
 
     args = TrainingArguments(
         output_dir=output_dir,
@@ -365,7 +356,7 @@ def _trainer_run(rank: int, world: int, output_dir: str) -> list[str]:
         trainer = Trainer(
             model=hf_objects.tiny_model(),
             args=args,
-            train_dataset=Tiny(),
+            train_dataset=hf_objects.tiny_lm_dataset(),
             processing_class=hf_objects.fast_tokenizer(),
         )
         trainer.train()

@@ -16,18 +16,9 @@ from tests.test_checkpoints import _every_rank_past_dcp
 
 
 def _run(rank: int, world: int, output_dir: str, max_steps: int, resume: bool, die_at: int | None) -> Any:
-    import torch
     from transformers import Trainer, TrainerCallback, TrainingArguments
 
     from safeio.integrations.transformers import CheckpointsTrainerMixin
-
-    class Tiny(torch.utils.data.Dataset):  # type: ignore[type-arg]
-        def __len__(self) -> int:
-            return 64
-
-        def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
-            ids = torch.tensor([(i + j) % 60 + 4 for j in range(8)])
-            return {"input_ids": ids, "labels": ids}
 
     class MyTrainer(CheckpointsTrainerMixin, Trainer):
         def _save_rng_state(self, output_dir: str) -> None:
@@ -54,7 +45,7 @@ def _run(rank: int, world: int, output_dir: str, max_steps: int, resume: bool, d
     trainer = MyTrainer(
         model=hf_objects.tiny_model(),
         args=args,
-        train_dataset=Tiny(),
+        train_dataset=hf_objects.tiny_lm_dataset(64),
         processing_class=hf_objects.fast_tokenizer(),
         callbacks=[Started()],
         safeio_timeout=2.5 if die_at is not None else 30,

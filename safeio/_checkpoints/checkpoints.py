@@ -29,10 +29,11 @@ from types import TracebackType
 from typing import Any
 
 from safeio._checkpoints.exchange import Exchange, StoreGone
-from safeio._checkpoints.local_steps import LATEST, MEGATRON_TRACKER, LocalSteps
+from safeio._checkpoints.local_steps import LocalSteps
 from safeio._checkpoints.naming import StepNames, check_step
 from safeio._checkpoints.object_steps import ObjectSteps
 from safeio._checkpoints.pending import PendingCommit
+from safeio._checkpoints.steps import LATEST, MEGATRON_TRACKER, StepStorage
 from safeio._coordination.group import Group, resolve_group
 from safeio._errors import CheckpointError, InvalidOptionError, PeerTimeout
 from safeio._options import SaveOptions
@@ -88,7 +89,7 @@ class Checkpoints:
             raise InvalidOptionError(f"keep must be a number of checkpoints >= 1 or None, got {keep!r}", root)
         names = StepNames(name, location.url())
         self.options = SaveOptions.of(timeout=timeout, durable=durable)
-        self.storage: LocalSteps | ObjectSteps
+        self.storage: StepStorage
         if location.is_local:
             self.storage = LocalSteps(location.path, names, self.options, keep, megatron_tracker)
         else:

@@ -15,6 +15,7 @@ from safeio._boundary import os_failure
 from safeio._checkpoints.committed import is_committed, wait_visible
 from safeio._checkpoints.naming import StepNames
 from safeio._checkpoints.pointer import write_pointer
+from safeio._checkpoints.steps import LATEST, MEGATRON_TRACKER, StepStorage
 from safeio._errors import InvalidTargetError, TargetExistsError
 from safeio._options import SaveOptions
 from safeio._promotion.leftovers import recover_directory
@@ -24,12 +25,10 @@ from safeio._storage.fsops import remove_at
 from safeio._storage.locking import held, lock_path_for, make_lock
 from safeio._storage.names import sibling_name
 
-LATEST = "latest"  # DeepSpeed's pointer file: the name of the newest checkpoint directory
-MEGATRON_TRACKER = "latest_checkpointed_iteration.txt"  # Megatron's: the newest iteration number
 _LOCK_NAME = "checkpoints"  # one promotion lock per root: ``.checkpoints.safeio.lock``
 
 
-class LocalSteps:
+class LocalSteps(StepStorage):
     """The steps of a checkpoint root on a POSIX filesystem."""
 
     in_place_replicated = True  # the writer's replicated files go straight into the shared stage
@@ -37,13 +36,9 @@ class LocalSteps:
     def __init__(
         self, root: str, names: StepNames, options: SaveOptions, keep: int | None, megatron_tracker: bool
     ) -> None:
+        super().__init__(names, options, keep, megatron_tracker)
         self.root = root
         self.root_url = root
-        self.names = names
-        self.options = options
-        self.keep = keep
-        self.megatron_tracker = megatron_tracker
-        self.protected: set[str] = set()  # step names retention never removes (a Trainer's best model)
 
     def url(self, name: str) -> str:
         return os.path.join(self.root, name)
@@ -124,12 +119,7 @@ class LocalSteps:
             write_pointer(os.path.join(self.root, MEGATRON_TRACKER), str(newest[0]), durable=durable)
 
     def _retain(self, root_fd: int, committed: list[tuple[int, str]]) -> None:
-        keep = self.keep
-        if keep is None or len(committed) <= keep:
-            return
-        for _, entry in committed[:-keep]:  # never the newest: keep >= 1
-            if entry in self.protected:
-                continue
+        for entry in self.retired(committed):
             # Renamed aside first: a reader never finds a half-deleted checkpoint under its name. As a
             # "tmp" sibling, not an "old" one: recovery restores an old version whose name is missing,
             # and a retired checkpoint killed half deleted must go, never come back as a step.

@@ -26,6 +26,7 @@ from typing import Any
 
 from safeio._boundary import mapped
 from safeio._checkpoints.naming import StepNames
+from safeio._checkpoints.steps import LATEST, MEGATRON_TRACKER, StepStorage
 from safeio._errors import InvalidTargetError, PeerTimeout, TargetExistsError
 from safeio._options import SaveOptions
 from safeio._storage import manifest
@@ -36,13 +37,11 @@ from safeio._who import who
 
 logger = logging.getLogger("safeio")
 
-LATEST = "latest"
-MEGATRON_TRACKER = "latest_checkpointed_iteration.txt"
 IN_PROGRESS = ".safeio-in-progress"
 _FIRST_PAUSE = 0.02
 
 
-class ObjectSteps:
+class ObjectSteps(StepStorage):
     """The steps of a checkpoint root on an object store."""
 
     in_place_replicated = False  # the writer's replicated files are uploaded at the commit
@@ -56,15 +55,11 @@ class ObjectSteps:
         megatron_tracker: bool,
     ) -> None:
         assert location.fs is not None, "an object-store location"
+        super().__init__(names, options, keep, megatron_tracker)
         self.fs: Any = location.fs
         self.location = location
         self.prefix = location.path
         self.root_url = location.url()
-        self.names = names
-        self.options = options
-        self.keep = keep
-        self.megatron_tracker = megatron_tracker
-        self.protected: set[str] = set()  # step names retention never removes (a Trainer's best model)
 
     def url(self, name: str) -> str:
         return self.location.url(f"{self.prefix}/{name}")
@@ -175,12 +170,7 @@ class ObjectSteps:
             self.fs.put_file(os.path.join(local_dir, *rel.split("/")), self._key(final_name, rel))
 
     def _retain(self, committed: list[tuple[int, str]]) -> None:
-        keep = self.keep
-        if keep is None or len(committed) <= keep:
-            return
-        for _, name in committed[:-keep]:  # never the newest: keep >= 1
-            if name in self.protected:
-                continue
+        for name in self.retired(committed):
             # The marker first: from then on the step is not a checkpoint, whatever is left of it.
             self.fs.rm_file(self._key(name, manifest.MANIFEST_NAME))
             self.fs.rm(self._key(name), recursive=True)

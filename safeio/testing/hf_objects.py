@@ -105,3 +105,19 @@ def tiny_model(seed: int = 0) -> Any:
 
     torch.manual_seed(seed)
     return LlamaForCausalLM(config())
+
+
+def tiny_lm_dataset(size: int = 8, length: int = 8) -> Any:
+    """A torch Dataset of ``size`` token sequences (``input_ids`` = ``labels``) for ``tiny_model`` and a
+    Trainer."""
+    import torch
+
+    class TinyLM(torch.utils.data.Dataset):  # type: ignore[type-arg]
+        def __len__(self) -> int:
+            return size
+
+        def __getitem__(self, i: int) -> dict[str, Any]:
+            ids = torch.tensor([(i + j) % 60 + 4 for j in range(length)])
+            return {"input_ids": ids, "labels": ids}
+
+    return TinyLM()

@@ -96,7 +96,7 @@ class CheckpointsTrainerMixin:
         """The ``Checkpoints`` of a run directory (default: ``args.output_dir``)."""
         return Checkpoints(
             run_dir if run_dir is not None else self.args.output_dir,
-            keep=None,  # rotation is _rotate below: save_total_limit, and the best model's checkpoint kept
+            keep=None,  # set per save in _save_checkpoint: save_total_limit, the best model kept
             name=PREFIX,
             timeout=self.safeio_timeout,
         )

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import stat
 import time
+from collections.abc import Callable
 
 from safeio._errors import PeerTimeout
 from safeio._storage import manifest
@@ -24,22 +25,29 @@ def is_committed(path: str) -> bool:
     return record is not None and "step" in record and not manifest.problems(path, record, check_hashes=False)
 
 
+def poll_until(visible: Callable[[], bool], deadline: float, message: str, path: str) -> None:
+    """Return once ``visible()`` is true; PeerTimeout(``message``) at the deadline. A bounded poll with
+    backoff: a cache expiring (NFS attributes, an object store client's listing) has nothing to block on."""
+    pause = _FIRST_PAUSE
+    while not visible():
+        if time.monotonic() >= deadline:
+            raise PeerTimeout(message, path)
+        time.sleep(min(pause, max(deadline - time.monotonic(), 0)))
+        pause = min(pause * 2, 0.5)
+
+
 def wait_visible(path: str, deadline: float, rank: int, what: str, *, manifest_needed: bool = True) -> None:
     """Return once ``path`` (a committed step, or a stage) is visible from this rank; bounded.
 
     NFS clients cache directory entries and attributes: a rank on another client may not see a
     directory for a while after the writer made it.
     """
-    pause = _FIRST_PAUSE
-    while True:
+
+    def visible() -> bool:
         try:
             st = os.lstat(path)
-            visible = stat.S_ISDIR(st.st_mode) and (not manifest_needed or is_committed(path))
         except OSError:
-            visible = False
-        if visible:
-            return
-        if time.monotonic() >= deadline:
-            raise PeerTimeout(f"rank {rank}: {what} at {path} is still not visible from this rank", path)
-        time.sleep(min(pause, max(deadline - time.monotonic(), 0)))  # bounded poll: nothing to block on
-        pause = min(pause * 2, 0.5)
+            return False
+        return stat.S_ISDIR(st.st_mode) and (not manifest_needed or is_committed(path))
+
+    poll_until(visible, deadline, f"rank {rank}: {what} at {path} is still not visible from this rank", path)

@@ -25,9 +25,10 @@ import time
 from typing import Any
 
 from safeio._boundary import mapped
+from safeio._checkpoints.committed import poll_until
 from safeio._checkpoints.naming import StepNames
 from safeio._checkpoints.steps import LATEST, MEGATRON_TRACKER, StepStorage
-from safeio._errors import InvalidTargetError, PeerTimeout, TargetExistsError
+from safeio._errors import InvalidTargetError, TargetExistsError
 from safeio._options import SaveOptions
 from safeio._storage import manifest
 from safeio._storage.dirfd import held_directory
@@ -38,7 +39,6 @@ from safeio._who import who
 logger = logging.getLogger("safeio")
 
 IN_PROGRESS = ".safeio-in-progress"
-_FIRST_PAUSE = 0.02
 
 
 class ObjectSteps(StepStorage):
@@ -189,15 +189,14 @@ class ObjectSteps(StepStorage):
         """Return once this rank reads the step's marker (object stores are consistent after a PUT; the
         check is what makes a stale client cache impossible to return through)."""
         key = self._key(name, manifest.MANIFEST_NAME)
-        pause = _FIRST_PAUSE
-        while True:
+
+        def visible() -> bool:
             self.fs.invalidate_cache(self._key(name))
             try:
-                if self.fs.exists(key):
-                    return
+                return bool(self.fs.exists(key))
             except (OSError, ValueError):
-                pass
-            if time.monotonic() >= deadline:
-                raise PeerTimeout(f"rank {rank}: {what} at {self.url(name)} is still not visible here", key)
-            time.sleep(min(pause, max(deadline - time.monotonic(), 0)))  # bounded poll
-            pause = min(pause * 2, 0.5)
+                return False
+
+        poll_until(
+            visible, deadline, f"rank {rank}: {what} at {self.url(name)} is still not visible here", key
+        )

@@ -87,13 +87,16 @@ class SafeModelCheckpoint(ModelCheckpoint):
     def _link_checkpoint(trainer: Any, filepath: str, linkpath: str) -> None:
         if trainer.is_global_zero and os.path.abspath(filepath) != os.path.abspath(linkpath):
             parent = os.path.dirname(os.path.abspath(linkpath))
-            temporary = os.path.join(parent, sibling_name(os.path.basename(linkpath), "tmp"))
-            os.symlink(os.path.relpath(filepath, parent), temporary)
-            try:
-                os.replace(temporary, linkpath)  # readers see the old link or the new one, never none
-            except IsADirectoryError:
-                os.unlink(temporary)
-                raise
+            name = os.path.basename(linkpath)
+            temporary = sibling_name(name, "tmp")
+            # Through the directory's handle: nothing planted in the shared directory is followed.
             with held_directory(parent, follow=True) as parent_fd:
+                os.symlink(os.path.relpath(filepath, parent), temporary, dir_fd=parent_fd)
+                try:
+                    # Readers see the old link or the new one, never none.
+                    os.replace(temporary, name, src_dir_fd=parent_fd, dst_dir_fd=parent_fd)
+                except IsADirectoryError:
+                    os.unlink(temporary, dir_fd=parent_fd)
+                    raise
                 os.fsync(parent_fd)
         trainer.strategy.barrier()

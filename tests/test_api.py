@@ -197,6 +197,31 @@ def test_atomic_open_error_leaves_target_and_no_temp(tmp_path: Path) -> None:
     assert path.read_text() == "old" and sorted(os.listdir(tmp_path)) == ["s.json"]
 
 
+def test_atomic_open_leaves_no_descriptor_open(tmp_path: Path) -> None:
+    # The file object borrows the temporary file's descriptor (no dup); each one is closed exactly once.
+    before = sorted(os.listdir("/proc/self/fd"))
+    for mode, data in (("w", "text"), ("wb", b"bytes"), ("x", "once")):
+        with safeio.atomic_open(tmp_path / f"f-{mode}", mode) as f:
+            f.write(data)
+    with pytest.raises(RuntimeError, match="mid-write"), safeio.atomic_open(tmp_path / "g", "wb") as f:
+        f.write(b"partial")
+        raise RuntimeError("mid-write")
+    assert sorted(os.listdir("/proc/self/fd")) == before
+    assert (tmp_path / "f-w").read_text() == "text" and (tmp_path / "f-wb").read_bytes() == b"bytes"
+
+
+def test_a_file_its_caller_left_open_is_flushed_before_the_fsync(tmp_path: Path) -> None:
+    from safeio._promotion.atomic_file import AtomicFile
+    from safeio._storage.location import resolve
+
+    promotion = AtomicFile(resolve(tmp_path / "w.bin"), exclusive=False, durable=True)
+    stage = promotion.open_stage()
+    f = promotion.open_file("wb")
+    f.write(b"still in the buffer")
+    promotion.finish(stage)
+    assert f.closed and (tmp_path / "w.bin").read_bytes() == b"still in the buffer"
+
+
 def test_atomic_open_exclusive_and_bad_input(tmp_path: Path) -> None:
     path = tmp_path / "once"
     with safeio.atomic_open(path, "x") as f:

@@ -197,6 +197,24 @@ def test_atomic_open_error_leaves_target_and_no_temp(tmp_path: Path) -> None:
     assert path.read_text() == "old" and sorted(os.listdir(tmp_path)) == ["s.json"]
 
 
+def test_atomic_open_takes_no_mode_through_a_planted_link(tmp_path: Path) -> None:
+    theirs = tmp_path / "theirs"
+    theirs.write_text("x")
+    theirs.chmod(0o666)
+    path = tmp_path / "state.json"
+    path.symlink_to(theirs)
+    with safeio.atomic_open(path) as f:
+        f.write("new")
+    assert not path.is_symlink() and path.read_text() == "new" and theirs.read_text() == "x"
+    assert path.stat().st_mode & 0o777 == 0o666 & ~_umask()
+
+
+def _umask() -> int:
+    current = os.umask(0)
+    os.umask(current)
+    return current
+
+
 def test_atomic_open_leaves_no_descriptor_open(tmp_path: Path) -> None:
     # The file object borrows the temporary file's descriptor (no dup); each one is closed exactly once.
     before = sorted(os.listdir("/proc/self/fd"))

@@ -118,11 +118,10 @@ class AtomicFile(FilePromotion):
             self.phase("fsync")
             if self._file is not None:
                 self._file.close()  # a caller's unflushed buffer reaches the file before the fsync
-            try:
-                current = os.stat(name, dir_fd=fd)  # the replaced file's mode is kept
-            except FileNotFoundError:
-                pass
-            else:
+            # The replaced file's mode is kept; a link is not followed for it: a link planted at the name
+            # in a shared directory would otherwise choose our file's mode (a 0o666 file of theirs).
+            current = lstat_at(fd, name)
+            if current is not None and stat.S_ISREG(current.st_mode):
                 os.fchmod(self._fd, stat.S_IMODE(current.st_mode))
             if self.durable:
                 os.fsync(self._fd)

@@ -49,6 +49,11 @@ def _registry(disk: str, tmpfs: str) -> dict[str, Callable[[bool], Result]]:
 
         return checkpoints.run(quick, disk=disk)
 
+    def seed(quick: bool) -> Result:
+        from benchmarks import seed
+
+        return seed.run(quick, disk=disk)
+
     return {
         "wrapper": wrapper,
         "atomic": atomic,
@@ -56,6 +61,7 @@ def _registry(disk: str, tmpfs: str) -> dict[str, Callable[[bool], Result]]:
         "promotion": promotion,
         "control": control,
         "checkpoints": checkpoints,
+        "seed": seed,
     }
 
 

@@ -35,3 +35,32 @@ def test_quick_promotion_benchmark_writes_results(tmp_path: Path) -> None:
     assert {"median", "lo", "hi", "n"} <= set(row["value"])
     assert "## 4. Promotion cost vs size" in (out / "results.md").read_text()
     assert (out / "results.png").stat().st_size > 0
+
+
+@pytest.mark.timeout(120)
+def test_quick_seed_benchmark_reports_rows(tmp_path: Path) -> None:
+    """Figure 8 (4 ranks in quick mode) on the NFS-like mount: every row is there, every value finite."""
+    import math
+
+    from safeio.testing.pytest_plugin import require_fuse
+
+    require_fuse()
+    out = tmp_path / "results"
+    subprocess.run(
+        [sys.executable, "-m", "benchmarks", "--quick", "--only", "seed", "--out", str(out)],
+        cwd=ROOT,
+        check=True,
+        capture_output=True,
+        timeout=110,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )
+    result = json.loads((out / "results.json").read_text())["benchmarks"]["seed"]
+    assert result["quick"] is True
+    figures = [row["figure"] for row in result["rows"]]
+    assert any("safeio wall / unguarded wall" in f for f in figures), result["notes"]
+    assert any("safeio: shared write ops" in f for f in figures)
+    assert any("unguarded: hazards" in f for f in figures)
+    assert any("safeio: failed saves" in f for f in figures)
+    for row in result["rows"]:
+        assert all(math.isfinite(row["value"][k]) for k in ("median", "lo", "hi")), row
+    assert "## 8. The seed's job size" in (out / "results.md").read_text()

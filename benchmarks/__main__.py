@@ -54,6 +54,11 @@ def _registry(disk: str, tmpfs: str) -> dict[str, Callable[[bool], Result]]:
 
         return seed.run(quick, disk=disk)
 
+    def peers(quick: bool) -> Result:
+        from benchmarks import peers
+
+        return peers.run(quick, disk=disk)
+
     return {
         "wrapper": wrapper,
         "atomic": atomic,
@@ -61,6 +66,7 @@ def _registry(disk: str, tmpfs: str) -> dict[str, Callable[[bool], Result]]:
         "promotion": promotion,
         "control": control,
         "checkpoints": checkpoints,
+        "peers": peers,
         "seed": seed,
     }
 

@@ -64,3 +64,33 @@ def test_quick_seed_benchmark_reports_rows(tmp_path: Path) -> None:
     for row in result["rows"]:
         assert all(math.isfinite(row["value"][k]) for k in ("median", "lo", "hi")), row
     assert "## 8. The seed's job size" in (out / "results.md").read_text()
+
+
+@pytest.mark.timeout(120)
+def test_quick_peers_benchmark_reports_rows(tmp_path: Path) -> None:
+    """Figure 7 in quick mode (4 gloo ranks, 64 simulated peers on one TCPStore): rows there, values finite."""
+    import math
+
+    out = tmp_path / "results"
+    subprocess.run(
+        [sys.executable, "-m", "benchmarks", "--quick", "--only", "peers", "--out", str(out)],
+        cwd=ROOT,
+        check=True,
+        capture_output=True,
+        timeout=110,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )
+    result = json.loads((out / "results.json").read_text())["benchmarks"]["peers"]
+    assert result["quick"] is True
+    figures = [row["figure"] for row in result["rows"]]
+    for setup in ("4 ranks", "64 simulated peers"):
+        for what in (
+            "last peer return, p50",
+            "last peer return, p99",
+            "store keys after a save minus before",
+        ):
+            assert any(f.startswith(f"7. {setup}: ") and f.endswith(what) for f in figures), figures
+    for row in result["rows"]:
+        assert all(math.isfinite(row["value"][k]) for k in ("median", "lo", "hi")), row
+    assert len(result["samples"]["64 simulated peers"]["per_peer_p50_p99_max_ms"]) == 64
+    assert "## 7. Peer release latency" in (out / "results.md").read_text()

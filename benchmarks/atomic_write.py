@@ -9,13 +9,15 @@ from __future__ import annotations
 
 import json
 import os
+import random
+import statistics
 import subprocess
 import sys
 import time
 from typing import Any
 
 from benchmarks import _writers
-from benchmarks._core import Result, Row, Spread, fs_type, interleave, ratio_row, ratios, scratch
+from benchmarks._core import Method, Result, Row, Spread, fs_type, ratio_row, ratios, scratch
 
 NAME = "atomic"
 LIMIT = 1.05
@@ -52,18 +54,51 @@ class _Write:
         return time.perf_counter() - start
 
 
+def balanced_orders(names: list[str]) -> list[list[str]]:
+    """Williams' balanced Latin square: over its rows every method runs once in every position and
+    right after every other method equally often.
+
+    A plain rotation of three methods puts safeio right before atomicwrites in two repetitions of three;
+    at 1 KB what the previous write left behind (the journal commit it started, an unlink to commit)
+    lands on whoever writes next, so the order must not favour either side.
+    """
+    n = len(names)
+    first = [0] + [(k + 1) // 2 if k % 2 else n - k // 2 for k in range(1, n)]
+    rows = [[names[(j + i) % n] for j in first] for i in range(n)]
+    return rows + [row[::-1] for row in rows] if n % 2 else rows
+
+
+def _interleave_balanced(methods: dict[str, Method], reps: int) -> dict[str, list[float]]:
+    """One warm-up repetition (dropped), then ``reps`` repetitions cycling through balanced_orders."""
+    orders = balanced_orders(list(methods))
+    samples: dict[str, list[float]] = {name: [] for name in methods}
+    for name in orders[0]:
+        methods[name]()
+    for rep in range(reps):
+        for name in orders[rep % len(orders)]:
+            samples[name].append(methods[name]())
+    return samples
+
+
 def _time_size(base: str, size: int, reps: int) -> dict[str, list[float]]:
     payload = _writers.make_payload(size)
     samples: dict[str, list[float]] = {}
     with scratch(base) as root:
         # Each durability class is interleaved on its own: methods are compared within their class.
         for group in (_writers.DURABLE, _writers.NON_DURABLE):
-            methods = {
+            methods: dict[str, Method] = {
                 name: _Write(writer, os.path.join(root, f"m{i}"), payload, settle=size >= MIB)
                 for i, (name, writer) in enumerate(group.items())
             }
-            samples.update(interleave(methods, reps, warmup=1))
+            samples.update(_interleave_balanced(methods, reps))
     return samples
+
+
+def median_interval(values: list[float], draws: int = 2000) -> tuple[float, float]:
+    """A 95% bootstrap interval of the median (resampling repetitions; seeded, so reports reproduce)."""
+    rng = random.Random(0)
+    medians = sorted(statistics.median(rng.choices(values, k=len(values))) for _ in range(draws))
+    return medians[int(0.025 * draws)], medians[int(0.975 * draws) - 1]
 
 
 def _rss(base: str, method: str, size: int) -> float:
@@ -86,14 +121,22 @@ def _rss(base: str, method: str, size: int) -> float:
 
 
 def run(quick: bool = False, disk: str = "/tmp") -> Result:
-    sizes = {KIB: 10, MIB: 5} if quick else {KIB: 300, MIB: 60, 256 * MIB: 11}
+    # Repetitions are multiples of 12, whole balanced squares for both groups (3 durable methods: 6
+    # orders; 4 non-durable: 4). A repetition costs milliseconds at 1 KB and 1 MB, so there are enough
+    # of them to pin the median ratio to about ±1% and ±3% (the notes give its interval); at 256 MB one
+    # costs seconds, and 24 leave about ±8%, the disk's own run-to-run spread on this VM.
+    sizes = {KIB: 12, MIB: 12} if quick else {KIB: 2400, MIB: 600, 256 * MIB: 24}
     rss_sizes = [16 * MIB] if quick else [16 * MIB, 256 * MIB]
     result = Result(
         NAME,
         "2. Single-file atomic write: safeio.atomic_open vs the alternatives",
         "Each method writes the same in-memory payload in 1 MB slices to a new file on local disk "
-        f"({fs_type(disk)}) (the previous one is removed untimed); methods interleaved per repetition, "
-        "page cache synced before each write of 1 MB and more. Durable methods (fsync) are compared "
+        f"({fs_type(disk)}) (the previous one is removed untimed); methods interleaved per repetition "
+        "in a balanced order (each runs in every position and right after every other equally often), "
+        "page cache synced before each write of 1 MB and more. A ratio is safeio's time over the rival's "
+        "in the same repetition; the row shows the median over repetitions [min-max], the notes a 95% "
+        "bootstrap interval of that median. Every durable method makes two fsyncs per write (the file, "
+        "then its directory after the rename). Durable methods (fsync) are compared "
         "only with durable ones. fsspec's local transaction does not fsync (and stages in $TMPDIR, "
         "here on the same filesystem, so its commit is a rename).",
         params={"sizes": {_label(s): r for s, r in sizes.items()}, "disk": disk, "disk_fs": fs_type(disk)},
@@ -117,6 +160,11 @@ def run(quick: bool = False, disk: str = "/tmp") -> Result:
         ):
             fastest = min(rivals, key=lambda name: Spread.of(samples[name]).median)
             values = ratios(samples[mine], samples[fastest])
+            lo, hi = median_interval(values)
+            result.notes.append(
+                f"{_label(size)}, {group}: {mine} / {fastest}: median {Spread.of(values).median:.3f}, "
+                f"95% interval of the median {lo:.3f}-{hi:.3f} ({len(values)} repetitions)."
+            )
             result.rows.append(
                 ratio_row(
                     f"{_label(size)}, {group}: {mine} / {fastest}",

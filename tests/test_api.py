@@ -141,14 +141,19 @@ def test_lock_timeout_names_the_lock(tmp_path: Path) -> None:
         deadline = time.monotonic() + 30
         while not ready.exists() and time.monotonic() < deadline:
             time.sleep(0.02)
+        # A first save of a target needs no lock (its rename never replaces anything).
+        with safeio.replicated(target, timeout=0.5, lock=True) as stage:
+            Path(stage.path, "a").write_text("1")
+        assert (target / "a").read_text() == "1"
+        # Replacing it does: the holder's lock is waited for, named, and nothing is lost.
         with (
             pytest.raises(safeio.LockTimeout) as info,
             safeio.replicated(target, timeout=0.5, lock=True) as stage,
         ):
-            Path(stage.path, "a").write_text("1")
+            Path(stage.path, "a").write_text("2")
         assert str(lock_file) in str(info.value) and info.value.path == str(lock_file)
-        assert not target.exists()
-        assert sorted(os.listdir(tmp_path)) == [".tok.safeio.lock", "ready"]
+        assert (target / "a").read_text() == "1"
+        assert sorted(os.listdir(tmp_path)) == [".tok.safeio.lock", "ready", "tok"]
     finally:
         holder.kill()
         holder.wait()
@@ -168,6 +173,8 @@ def test_lease_lock_holder_is_named(tmp_path: Path) -> None:
         deadline = time.monotonic() + 30
         while not ready.exists() and time.monotonic() < deadline:
             time.sleep(0.02)
+        with safeio.replicated(target, timeout=5, lock="lease") as stage:  # a first save: no lock
+            Path(stage.path, "a").write_text("1")
         with pytest.raises(safeio.LockTimeout) as info, safeio.replicated(target, timeout=0.5, lock="lease"):
             pass
         assert f"pid {holder.pid}" in str(info.value)
@@ -226,6 +233,14 @@ def test_atomic_open_leaves_no_descriptor_open(tmp_path: Path) -> None:
         raise RuntimeError("mid-write")
     assert sorted(os.listdir("/proc/self/fd")) == before
     assert (tmp_path / "f-w").read_text() == "text" and (tmp_path / "f-wb").read_bytes() == b"bytes"
+
+
+def test_a_rival_creating_the_target_under_x_leaves_no_temporary_file(tmp_path: Path) -> None:
+    path = tmp_path / "once"
+    with pytest.raises(safeio.TargetExistsError, match="meanwhile"), safeio.atomic_open(path, "x") as f:
+        f.write("mine")
+        path.write_text("rival")  # after the up-front check, before the link
+    assert path.read_text() == "rival" and sorted(os.listdir(tmp_path)) == ["once"]
 
 
 def test_a_file_its_caller_left_open_is_flushed_before_the_fsync(tmp_path: Path) -> None:

@@ -16,7 +16,7 @@ import tempfile
 from abc import ABC, abstractmethod
 from typing import IO, Any
 
-from safeio._boundary import mapped, os_failure
+from safeio._boundary import attach_cleanup_error, mapped, os_failure
 from safeio._errors import InvalidTargetError, SafeIOError, TargetExistsError
 from safeio._promotion.base import PhaseHook
 from safeio._storage.dirfd import lstat_at
@@ -113,6 +113,18 @@ class AtomicFile(FilePromotion):
         return self._file
 
     def finish(self, stage: str) -> None:
+        try:
+            self._promote()
+        except BaseException as exc:
+            # Here, while the parent is still held: a rival's file under "x", or a failed fsync, left the
+            # temporary file behind once the descriptors were closed, and the caller's discard() found
+            # nothing to remove it through.
+            self._remove_temporary(exc)
+            raise
+        finally:
+            self._close()
+
+    def _promote(self) -> None:
         target, fd, name = self.location.path, self._parent_fd, self._target_name
         try:
             self.phase("fsync")
@@ -142,8 +154,16 @@ class AtomicFile(FilePromotion):
             raise
         except OSError as exc:
             raise os_failure(f"could not write {target}", target, exc) from exc
-        finally:
-            self._close()
+
+    def _remove_temporary(self, error: BaseException) -> None:
+        if self._parent_fd < 0 or not self._name:
+            return
+        try:
+            os.unlink(self._name, dir_fd=self._parent_fd)
+        except FileNotFoundError:
+            pass  # renamed into place before the failure
+        except OSError as cleanup_error:
+            attach_cleanup_error(error, cleanup_error)
 
     def discard(self, stage: str) -> None:
         try:

@@ -29,7 +29,11 @@ from benchmarks._core import (
 )
 
 NAME = "wrapper"
-NON_DURABLE_LIMIT = 1.15
+# Issue 17's targets: the ratios for the realistic (~1 MB) tokenizer, the fixed cost for the toy one.
+RATIO_LIMIT = 1.10
+FIXED_COST_LIMIT_MS = 0.5
+REALISTIC = "fast 1 MB"
+TOY_ON_TMPFS = ("fast", "tmpfs")
 WARMUP = 3  # first saves import lazily and warm caches
 
 
@@ -167,7 +171,7 @@ def run(quick: bool = False, disk: str = "/tmp", tmpfs: str = "/dev/shm") -> Res
         "title": "1. safeio.save_pretrained / plain save",
         "kind": "bars",
         "ylabel": "time ratio (median, min-max)",
-        "hline": NON_DURABLE_LIMIT,
+        "hline": RATIO_LIMIT,
         "series": {
             "durable=False": {"x": [], "y": [], "lo": [], "hi": []},
             "durable=True - fsync": {"x": [], "y": [], "lo": [], "hi": []},
@@ -180,7 +184,10 @@ def run(quick: bool = False, disk: str = "/tmp", tmpfs: str = "/dev/shm") -> Res
                 for fs_name, base in filesystems.items():
                     data = _compare(tok, base, reps, clock)
                     result.samples[f"{kind}/{fs_name}"] = data
-                    _rows(result, plot, f"{kind} tokenizer, {fs_name} ({fs_type(base)})", data)
+                    label = f"{kind} tokenizer, {fs_name} ({fs_type(base)})"
+                    _rows(result, plot, label, data, realistic=kind == REALISTIC)
+                    if (kind, fs_name) == TOY_ON_TMPFS:
+                        _fixed_cost_row(result, label, data)
     finally:
         if spm_dir is not None:
             shutil.rmtree(spm_dir, ignore_errors=True)
@@ -204,14 +211,34 @@ def run(quick: bool = False, disk: str = "/tmp", tmpfs: str = "/dev/shm") -> Res
         }
     )
     result.notes.append(
-        "safeio's non-durable overhead is a fixed cost per save (stage mkdir, permission walk, manifest, "
-        "lock, stale-stage scan, merge renames), so its ratio is large for a sub-millisecond tokenizer "
-        "save and shrinks as the save itself grows."
+        "safeio's non-durable overhead is a fixed cost per save (stage mkdir, one walk of the stage for "
+        "modes and the manifest, the lock, a listing for leftovers, the merge's renames), so its ratio is "
+        "large for a sub-millisecond tokenizer save and shrinks as the save itself grows; the targets are "
+        "therefore the fixed cost on tmpfs for the toy tokenizer and the ratios for the realistic one. "
+        "Each saves into a fresh checkpoint directory that already exists, so safeio merges under the lock "
+        "(a first save of a target that does not exist yet takes no lock: figure 3)."
     )
     return result
 
 
-def _rows(result: Result, plot: dict[str, Any], label: str, data: dict[str, Any]) -> None:
+def _fixed_cost_row(result: Result, label: str, data: dict[str, Any]) -> None:
+    """What a save costs on top of the object's own save when the save itself is almost free."""
+    t = data["times"]
+    extra_ms = [(s - p) * 1e3 for s, p in zip(t["safeio"], t["plain"], strict=True)]
+    spread = Spread.of(extra_ms)
+    result.rows.append(
+        Row(
+            f"{label}: safeio durable=False - plain (fixed cost)",
+            "per repetition, the time safeio adds to a 21-token tokenizer's save (the floor of every save)",
+            f"≤ {FIXED_COST_LIMIT_MS} ms",
+            spread,
+            "ms",
+            spread.median <= FIXED_COST_LIMIT_MS,
+        )
+    )
+
+
+def _rows(result: Result, plot: dict[str, Any], label: str, data: dict[str, Any], *, realistic: bool) -> None:
     t = data["times"]
     plain, plain_fsync, fast, durable = t["plain"], t["plain+fsync"], t["safeio"], t["safeio durable"]
     fsync_s = [s for s, _ in data["fsync"]["safeio durable"]]
@@ -232,16 +259,16 @@ def _rows(result: Result, plot: dict[str, Any], label: str, data: dict[str, Any]
         ratio_row(
             f"{label}: safeio durable=False / plain",
             "what wrapping costs when nothing is fsynced",
-            f"≤ {NON_DURABLE_LIMIT}",
+            f"≤ {RATIO_LIMIT}" if realistic else "-",
             non_durable,
-            NON_DURABLE_LIMIT,
+            RATIO_LIMIT if realistic else None,
         ),
         ratio_row(
             f"{label}: (safeio durable=True - its fsync time) / plain",
             "durable save = plain save + fsyncs and nothing else",
-            f"≤ {NON_DURABLE_LIMIT}",
+            "-",
             without_fsync,
-            NON_DURABLE_LIMIT,
+            None,
         ),
         Row(
             f"{label}: fsync share of safeio durable=True",
@@ -253,10 +280,10 @@ def _rows(result: Result, plot: dict[str, Any], label: str, data: dict[str, Any]
         ),
         ratio_row(
             f"{label}: safeio durable=True / (plain + user's fsyncs)",
-            "cost against a plain save made durable by hand",
-            "-",
+            "cost against a plain save made durable by hand (fsync of each file and the directory)",
+            f"≤ {RATIO_LIMIT}" if realistic else "-",
             vs_user,
-            None,
+            RATIO_LIMIT if realistic else None,
         ),
     ]
     for name, values in (("durable=False", non_durable), ("durable=True - fsync", without_fsync)):

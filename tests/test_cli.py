@@ -541,6 +541,8 @@ def test_a_lock_timeout_names_the_lease_holder_read_as_a_marker(tmp_path: Path) 
     """The holder in a LockTimeout comes from the marker, read without following a link or blocking."""
     target = tmp_path / "ckpt"
     lock_path = tmp_path / ".ckpt.safeio.lock"
+    with safeio.replicated(target, lock="lease", timeout=5) as stage:  # a first save takes no lock
+        Path(stage.path, "f").write_text("old")
     with process(_LEASE_HOLDER, str(lock_path)) as (holder, _):
         with (
             pytest.raises(safeio.LockTimeout) as caught,
@@ -549,4 +551,4 @@ def test_a_lock_timeout_names_the_lease_holder_read_as_a_marker(tmp_path: Path) 
             Path(stage.path, "f").write_text("x")
         assert caught.value.holder is not None and f"pid {holder.pid} on " in caught.value.holder
         assert str(lock_path) in str(caught.value)
-    assert not target.exists()
+    assert (target / "f").read_text() == "old"

@@ -36,6 +36,10 @@ def test_a_save_logs_its_lifecycle_at_debug(shared_dir: Path, caplog: pytest.Log
         re.fullmatch(rf"rank 0 \([^)]*\): stage {shared_dir}/\.tok\.safeio-stage-\S+ created for {target}", m)
         for m in debug
     ), debug
+    assert any(m.endswith(f": {target} is new: promoted without the lock") for m in debug), debug
+    caplog.clear()
+    _save(target, "v2")  # replacing it takes the lock
+    debug = _messages(caplog, logging.DEBUG)
     assert any(
         re.fullmatch(rf"rank 0 \([^)]*\): lock {shared_dir}/\.tok\.safeio\.lock held for [\d.]+ ms", m)
         for m in debug

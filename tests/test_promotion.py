@@ -100,7 +100,7 @@ def test_a_kill_between_the_fallback_renames_is_recovered(tmp_path: Path) -> Non
     assert {a.verb for a in actions} == {"restore", "remove"} and not target.exists()
     actions = recover_directory(str(tmp_path))
     assert (target / "a.json").read_text() == "old"
-    assert listing(tmp_path) == [".tok.safeio.lock", "tok"]
+    assert listing(tmp_path) == ["tok"]  # a first save takes no lock: no lock file either
 
 
 def test_merge_keeps_other_files_and_merges_the_manifest(tmp_path: Path) -> None:
@@ -284,3 +284,50 @@ def test_a_later_save_of_the_same_job_covers_an_earlier_one() -> None:
     assert not call_covers("job/abc/2", "job/abc/3")  # an older save does not
     assert not call_covers("other/abc/9", "job/abc/3")  # nor one from another job
     assert not call_covers(None, "job/abc/1")
+
+
+_RIVAL = (
+    "import sys, safeio\nfrom pathlib import Path\n"
+    "with safeio.replicated(sys.argv[1], timeout=30) as stage:\n"
+    "    Path(stage.path, 'b.json').write_text('rival')\n"
+)
+
+
+@pytest.mark.parametrize("where", ["local", "nfslike"])
+@pytest.mark.parametrize("mode", ["error", "replace"])
+def test_a_first_save_never_replaces_a_version_a_rival_promoted_meanwhile(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, request: pytest.FixtureRequest, where: str, mode: str
+) -> None:
+    """A first save takes no lock: its rename must refuse to replace what a rival job promoted between
+    its look at the target and the rename (RENAME_NOREPLACE; on NFS/FUSE a directory's rename refuses a
+    non-empty one), and the save then goes the locked way as if it had found the target."""
+    from safeio._promotion import local
+
+    root = request.getfixturevalue("nfslike_mount").path if where == "nfslike" else tmp_path
+    target = Path(root) / "tok"
+    looked: list[str] = []
+    real_lstat_at = local.lstat_at
+
+    def missed_once(dir_fd: int, name: str) -> os.stat_result | None:
+        if name == "tok" and not looked:  # the look before the rename: the rival is not there yet
+            looked.append(name)
+            return None
+        return real_lstat_at(dir_fd, name)
+
+    monkeypatch.setattr(local, "lstat_at", missed_once)
+
+    def save_while_the_rival_promotes() -> None:
+        with safeio.replicated(target, mode=mode, timeout=30) as stage:
+            Path(stage.path, "a.json").write_text("ours")
+            subprocess.run([sys.executable, "-c", _RIVAL, str(target)], check=True, timeout=120)
+            assert (target / "b.json").read_text() == "rival"
+
+    if mode == "error":
+        with pytest.raises(safeio.TargetExistsError):
+            save_while_the_rival_promotes()
+        assert listing(target) == [manifest.MANIFEST_NAME, "b.json"]  # the rival's version, untouched
+    else:
+        save_while_the_rival_promotes()
+        assert listing(target) == [manifest.MANIFEST_NAME, "a.json"]  # replaced under the lock, whole
+    assert looked == ["tok"]
+    assert [n for n in listing(Path(root)) if n != ".tok.safeio.lock"] == ["tok"]

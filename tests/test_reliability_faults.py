@@ -128,6 +128,8 @@ def test_every_writer_failure_reaches_all_8_ranks(
     (shared_dir / "file").write_text("precious")
     (shared_dir / "link").symlink_to(shared_dir / "file")
     (shared_dir / "exists").mkdir()
+    with safeio.replicated(shared_dir / "locked") as stage:  # only replacing a target takes the lock
+        Path(stage.path, "old").write_text("old")
     (other.path / "eio").mkdir()
     timeout = {"timeout": 30.0}
     cases = [

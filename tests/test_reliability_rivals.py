@@ -174,6 +174,7 @@ def _timed_save(target: str, lock: Any, timeout: float) -> float:
 
 
 def test_a_crashed_flock_holder_is_recovered_from(shared_dir: Path) -> None:
+    _timed_save(str(shared_dir / "tok"), "auto", 30)  # a first save takes no lock; a replacement does
     _kill_holder(str(shared_dir), "flock")
     took = _timed_save(str(shared_dir / "tok"), "auto", 30)
     assert took < 10 and _one_version(str(shared_dir / "tok")).startswith("after")
@@ -185,6 +186,7 @@ def test_a_crashed_lease_holder_is_recovered_from(
     parent = str(nfslike_mount.path)
     # SAFEIO_LEASE_SECONDS is read at import; this process imported safeio long ago.
     monkeypatch.setenv("SAFEIO_LEASE_SECONDS", "1.0")
+    _timed_save(os.path.join(parent, "tok"), "auto", 30)  # a first save takes no lock; a replacement does
     _kill_holder(parent, "strict")
     # Baseline: filelock's fail-closed strict soft lock stays held by the dead process.
     with pytest.raises(safeio.LockTimeout):

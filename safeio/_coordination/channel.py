@@ -77,6 +77,11 @@ class Outcome:
     error_type: str | None = None
     error_message: str | None = None
     value: Any = None  # the writer's result (encode_value form), handed to every rank
+    # What identifies the promoted version on disk (a local manifest's inode and size), so that a peer
+    # confirms it sees that version with one stat instead of reading the manifest and every file, and the
+    # version it replaced (None: none), so that a peer can tell a rival's later version from a stale view.
+    version: list[int] | None = None
+    replaced: list[int] | None = None
 
     def encode(self) -> bytes:
         return json.dumps(asdict(self)).encode()
@@ -131,6 +136,9 @@ class Channel:
         self.phase_since = time.time()
         self._landed_value: Any = None
         self._publishing = threading.Lock()  # safeio.watchdog: see heartbeat
+        # Set once the outcome is published: the last peer to read it deletes the call's keys, and a
+        # phase record written after that (the "done" phase, a watchdog refresh) would outlive the call.
+        self._closed = False
 
     @classmethod
     def open(cls, group: Group, target_url: str, identity: str) -> Channel:
@@ -167,6 +175,8 @@ class Channel:
         if not self._publishing.acquire(blocking=wait):
             return
         try:
+            if self._closed:
+                return
             record = {
                 "phase": self.phase,
                 "since": self.phase_since,
@@ -185,6 +195,8 @@ class Channel:
         store = self.group.store
         if store is None or self.group.world_size == 1:
             return
+        with self._publishing:
+            self._closed = True
         try:
             store.set(self.key, outcome.encode())
             # For a peer's timeout message: what this writer last saved of the target.
@@ -278,10 +290,13 @@ class Channel:
             return Outcome.decode(raw)
 
     def _acknowledge(self, store: Any) -> None:
-        """The last peer to read the outcome deletes this call's keys."""
+        """The last peer to read the outcome deletes this call's keys, and the target's ``last`` record:
+        the store holds nothing of a save every peer has heard (a run that saves into a new directory
+        every step would otherwise keep one key per directory). If the writer has meanwhile published a
+        newer save of the target, its ``last`` record goes too; it only ever informs a timeout message."""
         try:
             if store.add(self.ack_key, 1) >= self.group.world_size - 1:
-                for key in (self.key, self.phase_key, self.ack_key):
+                for key in (self.key, self.phase_key, self.ack_key, self.last_key):
                     _delete_quietly(store, key)
         except Exception as exc:
             logger.debug("%s: could not acknowledge %s: %s", who(self.group.rank), self.key, exc)
@@ -341,7 +356,10 @@ class Channel:
             if store is not None and store.check([self.last_key]):
                 last = json.loads(store.get(self.last_key))
         if not isinstance(last, dict):
-            return f"it has published no save of {self.target_url} yet"
+            return (
+                f"no save of {self.target_url} by it is on record (none yet, or every peer has heard the "
+                "last one)"
+            )
         outcome = "succeeded" if last.get("ok") else "failed"
         return (
             f"the last save of {self.target_url} it published was #{last.get('seq')} of "

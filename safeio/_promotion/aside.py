@@ -30,6 +30,7 @@ class RenameAside(LocalPromotion):
 
     def _replace_existing(self, stage: str, entries: dict[str, dict[str, Any]]) -> None:
         self.write_manifest(entries, None)
+        self.seal_stage()
         self._swap()
 
     def _swap(self) -> None:
@@ -44,6 +45,7 @@ class RenameAside(LocalPromotion):
             raise
         if self.options.durable:
             os.fsync(fd)
+            self.parent_changed = False  # synced here; removing the old version need not last
         self.remove_old_version(aside)
 
     @staticmethod

@@ -7,6 +7,7 @@ owning ``acquire``); each behaviour fills in the hooks for its storage:
     finish(stage):
       phase "manifest"  _prepare        permissions, what goes in the manifest
       phase "fsync"     _sync           make the stage durable (when asked)
+      phase "promote"   _promote_unlocked  a promotion that needs no lock (a fresh target), if it can
       phase "lock"      _locked         the promotion lock (none on object stores)
       phase "promote"   _before_promote the target is still what we checked; leftovers of dead writers
                         _promote        the behaviour itself (rename, exchange, merge, link swap, upload)
@@ -55,6 +56,8 @@ class Promotion(ABC):
         self._on_phase = on_phase
         self._started = time.monotonic()  # peers' waits began about now (see lock_timeout)
         self.result: Any = None  # the body's result (JSON form), recorded in the manifest
+        self.version: list[int] | None = None  # the promoted manifest's ``manifest.version_of``, if local
+        self.replaced: list[int] | None = None  # the same of the version it replaced (None: none)
 
     # -- the flow ----------------------------------------------------------------------------------
 
@@ -70,12 +73,15 @@ class Promotion(ABC):
             entries = self._prepare(stage)
             self.phase("fsync")
             self._sync(stage)
-            self.phase("lock")
-            with self._locked():
-                self.phase("promote")
-                self._before_promote()
-                self._promote(stage, entries)
+            if self._promote_unlocked(stage, entries):
                 self._after_promote()
+            else:
+                self.phase("lock")
+                with self._locked():
+                    self.phase("promote")
+                    self._before_promote()
+                    self._promote(stage, entries)
+                    self._after_promote()
         logger.debug("%s: promoted %s (mode %s)", who(self.rank), target, self.options.mode)
 
     @abstractmethod
@@ -90,6 +96,10 @@ class Promotion(ABC):
 
     def _sync(self, stage: str) -> None:  # noqa: B027 - an optional hook: no-op unless a behaviour needs it
         """Make the stage durable before it is promoted (nothing by default)."""
+
+    def _promote_unlocked(self, stage: str, entries: dict[str, dict[str, Any]]) -> bool:
+        """Promote without the lock where that is safe (True), else leave it to the locked way (False)."""
+        return False
 
     @contextlib.contextmanager
     def _locked(self) -> Iterator[None]:

@@ -23,7 +23,7 @@ from safeio._promotion.recovery import Action, Leftover
 from safeio._promotion.versioned import prune, versioned_targets
 from safeio._storage.dirfd import held_directory, lstat_at
 from safeio._storage.fsops import remove_at
-from safeio._storage.names import Sibling, host_tag, parse
+from safeio._storage.names import Sibling, host_tag, may_have_siblings, parse
 
 # Merges first (they complete targets), then asides (they restore missing ones), then the rest.
 _ORDER = {"stage": 0, "old": 1}
@@ -118,9 +118,14 @@ def recover_directory(
     return actions
 
 
-def recover_target(parent: str, parent_fd: int, target_name: str, durable: bool) -> None:
-    """The writer's step before it promotes: put right what dead writers of this target left."""
-    recover_directory(parent, parent_fd=parent_fd, target_name=target_name, durable=durable)
+def recover_target(parent: str, parent_fd: int, target_name: str, durable: bool, own_stage: str) -> None:
+    """The writer's step before it promotes: put right what dead writers of this target left.
+
+    One listing first: with no sibling of the target but the writer's own stage (almost every save),
+    nothing is parsed, statted or judged.
+    """
+    if may_have_siblings(os.listdir(parent_fd), target_name, besides=own_stage):
+        recover_directory(parent, parent_fd=parent_fd, target_name=target_name, durable=durable)
 
 
 def _recover_one(leftover: Leftover, target_name: str | None, *, dry_run: bool, durable: bool) -> Action:

@@ -29,24 +29,35 @@ from safeio._options import SaveOptions
 from safeio._promotion.base import Promotion
 from safeio._storage import manifest
 from safeio._storage.dirfd import fsync_fd_tree, held_directory, identity, lstat_at, open_directory
-from safeio._storage.fsops import normalize_permissions, remove_at
+from safeio._storage.fsops import remove_at
 from safeio._storage.location import Location
 from safeio._storage.locking import held, lock_path_for, make_lock
 from safeio._storage.metadata import Damaged, load_manifest
-from safeio._storage.names import NAME_MAX, sibling_name
+from safeio._storage.names import NAME_MAX, may_have_siblings, sibling_name
+from safeio._storage.posix import rename_noreplace
 from safeio._storage.readers import version_pointee
+from safeio._storage.stage_contents import StageContents, settle_stage
 from safeio._who import who
 
 logger = logging.getLogger("safeio")
 
-# recover(parent, parent_fd, target_name, durable): puts right what dead writers of the target left.
-# Injected by the resolver, because recovery dispatches to every behaviour and behaviours must not import
-# each other.
-Recovery = Callable[[str, int, str, bool], None]
+# A fresh target's rename found something in its place (see _promote_unlocked).
+_TAKEN = frozenset({errno.EEXIST, errno.ENOTEMPTY, errno.ENOTDIR, errno.EISDIR})
+
+# recover(parent, parent_fd, target_name, durable, own_stage): puts right what dead writers of the target
+# left. Injected by the resolver, because recovery dispatches to every behaviour and behaviours must not
+# import each other.
+Recovery = Callable[[str, int, str, bool, str], None]
 
 
 class LocalPromotion(Promotion):
     """Stage beside the target on its own filesystem and promote with rename(2)."""
+
+    # A target that does not exist yet becomes the stage by one rename (every behaviour but Versioned).
+    renames_fresh_target = True
+    # Whether the promotion changed the parent's entries (a rename there), so that a durable save syncs
+    # it; a merge into an existing target changes only the target's.
+    parent_changed = True
 
     def __init__(self, location: Location, options: SaveOptions, *, recover: Recovery, **save: Any) -> None:
         super().__init__(location, options, **save)  # rank, call_id, on_phase
@@ -55,6 +66,8 @@ class LocalPromotion(Promotion):
         self.stage_fd = -1
         self.stage_name = ""
         self._stage_id: tuple[int, int] | None = None
+        self._stage_mode = 0o777  # what mkdir gave the stage (the umask applied): see settle_stage
+        self.contents = StageContents()  # what the finished stage holds (set by _prepare)
 
     @property
     def target(self) -> str:
@@ -135,7 +148,8 @@ class LocalPromotion(Promotion):
             # The umask applies, as for any mkdir (mkdtemp would force 0700); a setgid parent's group too.
             os.mkdir(self.stage_name, 0o777, dir_fd=self.parent_fd)
             self.stage_fd = open_directory(self.stage_name, dir_fd=self.parent_fd)
-            self._stage_id = identity(os.fstat(self.stage_fd))
+            made = os.fstat(self.stage_fd)
+            self._stage_id, self._stage_mode = identity(made), made.st_mode
         except OSError as exc:
             self.close()
             raise os_failure(
@@ -184,16 +198,55 @@ class LocalPromotion(Promotion):
 
     def _prepare(self, stage: str) -> dict[str, dict[str, Any]]:
         self.check_stage()
-        # Tools write with their own modes (safetensors writes weights 0600 through mkstemp).
-        normalize_permissions(self.stage_fd)
-        if not self.options.manifest:
-            return {}
         # Hashes only when durable: see safeio._storage.manifest for the cost.
-        return manifest.describe_files(self.stage_fd, hashes=self.options.durable)
+        describe = self.options.manifest
+        self.contents = settle_stage(
+            self.stage_fd, self._stage_mode, describe=describe, hashes=self.options.durable
+        )
+        return self.contents.entries
 
     def _sync(self, stage: str) -> None:
         if self.options.durable:
-            fsync_fd_tree(self.stage_fd)
+            # The stage directory itself once the manifest (and a merge's intent) is in it: seal_stage.
+            fsync_fd_tree(self.stage_fd, root=False)
+
+    def seal_stage(self) -> None:
+        """Durable saves: the stage's entries (its files, the manifest, a merge's intent) reach the disk
+        in one fsync, before the first rename that publishes any of them."""
+        if self.options.durable:
+            os.fsync(self.stage_fd)
+
+    def _promote_unlocked(self, stage: str, entries: dict[str, dict[str, Any]]) -> bool:
+        """A target that does not exist yet, with no leftovers of dead writers beside it, needs no lock.
+
+        The lock orders promotions *over* an existing target and the recovery of leftovers; a rename that
+        never replaces anything needs neither. ``renameat2(RENAME_NOREPLACE)`` refuses to replace
+        whatever a rival promoted meanwhile; where the filesystem lacks the flag (NFS, FUSE), a plain
+        rename does the same for any rival's version (a non-empty directory: ENOTEMPTY; a version link:
+        ENOTDIR). Either way this save then goes the locked way, as if it had found the target. No lock
+        file is made, which on NFS is three of the save's round trips.
+        """
+        if not self.renames_fresh_target:
+            return False
+        if lstat_at(self.parent_fd, self.name) is not None:
+            return False
+        if may_have_siblings(os.listdir(self.parent_fd), self.name, besides=self.stage_name):
+            return False  # leftovers are put right under the lock
+        self.phase("promote")
+        self.check_stage()
+        self.write_manifest(entries, None)
+        self.seal_stage()
+        try:
+            rename_noreplace(self.stage_name, self.name, self.parent_fd)
+        except OSError as exc:
+            if exc.errno not in _TAKEN:
+                raise
+            if self.options.manifest:  # written again under the lock, from what is there now
+                os.unlink(manifest.MANIFEST_NAME, dir_fd=self.stage_fd)
+                self.version = None
+            return False
+        logger.debug("%s: %s is new: promoted without the lock", who(self.rank), self.target)
+        return True
 
     @contextlib.contextmanager
     def _locked(self) -> Iterator[None]:
@@ -202,6 +255,7 @@ class LocalPromotion(Promotion):
             self.options.lock,
             self.lock_timeout(),
             self.options.lease_seconds,
+            parent_fd=self.parent_fd,
         )
         with held(lock, self.target, self.rank):
             yield
@@ -209,17 +263,29 @@ class LocalPromotion(Promotion):
     def _before_promote(self) -> None:
         self.check_target()  # a rival job may have changed it while our body ran
         self.check_stage()
-        self._recover(self.parent, self.parent_fd, self.name, self.options.durable)
+        self.replaced = self._current_version()
+        self._recover(self.parent, self.parent_fd, self.name, self.options.durable, self.stage_name)
 
     def _promote(self, stage: str, entries: dict[str, dict[str, Any]]) -> None:
         if lstat_at(self.parent_fd, self.name) is not None:
             self._replace_existing(stage, entries)
             return
         self.write_manifest(entries, None)
+        self.seal_stage()
         os.rename(self.stage_name, self.name, src_dir_fd=self.parent_fd, dst_dir_fd=self.parent_fd)
 
+    def _current_version(self) -> list[int] | None:
+        """``manifest.version_of`` the target's manifest now (through a version link), if it has one."""
+        try:
+            st = os.stat(
+                f"{self.name}/{manifest.MANIFEST_NAME}", dir_fd=self.parent_fd, follow_symlinks=False
+            )
+        except OSError:
+            return None
+        return manifest.version_of(st) if stat.S_ISREG(st.st_mode) else None
+
     def _after_promote(self) -> None:
-        if self.options.durable:
+        if self.options.durable and self.parent_changed:
             os.fsync(self.parent_fd)
 
     @abstractmethod
@@ -265,7 +331,8 @@ class LocalPromotion(Promotion):
                 old.reason,
             )
             old = None
-        manifest.write(self.stage_fd, self.manifest_record(entries, old), durable=self.options.durable)
+        record = self.manifest_record(entries, old)
+        self.version = manifest.write(self.stage_fd, record, durable=self.options.durable)
 
     @contextlib.contextmanager
     def target_directory(self) -> Iterator[int]:

@@ -43,13 +43,25 @@ class Merge(LocalPromotion):
     def _replace_existing(self, stage: str, entries: dict[str, dict[str, Any]]) -> None:
         with self.target_directory() as target_fd:
             self.write_manifest(entries, target_fd)
-            files = manifest.content_files(self.stage_fd)
+            files = list(self.contents.content)
             if self.options.manifest:
                 files.append(manifest.MANIFEST_NAME)  # last: it describes the whole set
             self._check_conflicts(target_fd, files)
             self._write_intent(files)
+            self.seal_stage()
+            self.parent_changed = (
+                False  # only the target's entries change (the stage's removal need not last)
+            )
             roll_forward(self.stage_fd, target_fd, files, durable=self.options.durable)
-        remove_at(self.parent_fd, self.stage_name, what="merged stage", shown=stage)
+        self._remove_merged_stage(stage)
+
+    def _remove_merged_stage(self, stage: str) -> None:
+        """What is left of a merged stage: its intent, and directories emptied by the moves."""
+        try:
+            os.unlink(manifest.MERGE_INTENT_NAME, dir_fd=self.stage_fd)
+            os.rmdir(self.stage_name, dir_fd=self.parent_fd)
+        except OSError:  # subdirectories (or something a rival put there): the general removal
+            remove_at(self.parent_fd, self.stage_name, what="merged stage", shown=stage)
 
     def _write_intent(self, files: list[str]) -> None:
         flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
@@ -60,8 +72,6 @@ class Merge(LocalPromotion):
                 os.fsync(fd)
         finally:
             os.close(fd)
-        if self.options.durable:
-            os.fsync(self.stage_fd)
         self._intent_written = True
 
     def discard(self, stage: str) -> None:
@@ -81,6 +91,13 @@ class Merge(LocalPromotion):
 
     def _check_conflicts(self, target_fd: int, files: list[str]) -> None:
         for rel in files:
+            if "/" not in rel:  # a top-level file (most saves): one lstat, no descriptor to walk
+                st = lstat_at(target_fd, rel)
+                if st is not None and stat.S_ISDIR(st.st_mode):
+                    raise InvalidTargetError(
+                        f"cannot merge {rel} into {self.target}: it is a directory there", self.target
+                    )
+                continue
             parts = rel.split("/")
             fd = os.dup(target_fd)
             try:
@@ -185,6 +202,10 @@ def roll_forward(stage_fd: int, target_fd: int, files: list[str], *, durable: bo
     synced: set[str] = set()
     for rel in files:
         rel_dir, _, name = rel.rpartition("/")
+        if not rel_dir:  # a top-level file (most saves): both directories are held already
+            _move_top_level(stage_fd, target_fd, name)
+            synced.add("")
+            continue
         try:
             src = open_relative_directory(stage_fd, rel_dir)
         except FileNotFoundError:
@@ -212,6 +233,13 @@ def roll_forward(stage_fd: int, target_fd: int, files: list[str], *, durable: bo
                 os.fsync(fd)
             finally:
                 os.close(fd)
+
+
+def _move_top_level(stage_fd: int, target_fd: int, name: str) -> None:
+    """``roll_forward``'s move of one file at the top of the stage (same rules, no walk)."""
+    st = lstat_at(stage_fd, name)
+    if st is not None and (stat.S_ISREG(st.st_mode) or stat.S_ISLNK(st.st_mode)):
+        os.replace(name, name, src_dir_fd=stage_fd, dst_dir_fd=target_fd)
 
 
 def _remove(leftover: Leftover, dry_run: bool, reason: str) -> Action:

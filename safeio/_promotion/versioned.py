@@ -32,6 +32,8 @@ KEEP_VERSIONS = 2
 
 
 class Versioned(LocalPromotion):
+    renames_fresh_target = False  # even a first save publishes a version through a link
+
     def check_target(self) -> None:
         super().check_target()
         self.refuse_protected_directories()
@@ -47,8 +49,7 @@ class Versioned(LocalPromotion):
         finally:
             if previous is not None:
                 os.close(previous)
-        if self.options.durable:
-            os.fsync(self.stage_fd)
+        self.seal_stage()
         version_name = sibling_name(name, "v")
         os.rename(self.stage_name, version_name, src_dir_fd=pfd, dst_dir_fd=pfd)
         st = lstat_at(pfd, name)

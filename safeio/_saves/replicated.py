@@ -11,6 +11,7 @@ the promotion and the visibility check differ.
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import os
 import re
@@ -42,7 +43,8 @@ Kind = Literal["directory", "file"]
 
 @dataclass
 class Stage:
-    """Where the body writes. ``path`` is a local directory on every rank.
+    """Where the body writes. ``path`` is a local directory on every rank that runs the body (empty on
+    a non-writer of a save only the writer makes, such as a tokenizer's ``save_pretrained``).
 
     A writer's body may set ``result`` (JSON-serialisable: str, numbers, lists, tuples, dicts); after
     the block every rank's ``stage.result`` holds the writer's value.
@@ -81,8 +83,12 @@ class ReplicatedSave:
         group: Any = None,
         kind: Kind = "directory",
         what: str | None = None,
+        peer_body: bool = True,
     ) -> None:
         self.location: Location = resolve(target)
+        # Whether non-writers run the body too (SPMD). When only the writer does (a tokenizer's
+        # save_pretrained), a peer makes no scratch directory: it only waits.
+        self.peer_body = peer_body
         self.options = options
         self.kind = kind
         self.what = what  # the type of the object saved, when there is one (part of the save's identity)
@@ -113,13 +119,18 @@ class ReplicatedSave:
         if group.is_writer:
             path = self._enter_writer(channel, group)
         else:
-            # Bodies run on every rank (SPMD); a non-writer's output goes to node-local scratch.
-            scratch = tempfile.mkdtemp(prefix="safeio-peer-")
-            path = scratch if self.kind == "directory" else os.path.join(scratch, location.name or "data")
+            if self.peer_body:
+                # Bodies run on every rank (SPMD); a non-writer's output goes to node-local scratch.
+                scratch = tempfile.mkdtemp(prefix="safeio-peer-")
+                path = scratch if self.kind == "directory" else os.path.join(scratch, location.name or "data")
+            else:
+                path = ""  # no body runs here: nothing to write, no scratch to make
             self._visibility = self._make_visibility(channel)
-            self._visibility.note_entry()
-        self._entry = active.ActiveStage(active_key, path)
-        active.push(self._entry)
+            if group.store is None:  # the filesystem is the only way to hear the outcome
+                self._visibility.note_entry()
+        if path:  # a peer that runs no body has no stage for nested saves to write into
+            self._entry = active.ActiveStage(active_key, path)
+            active.push(self._entry)
         self._stage = Stage(path, target_key, group.is_writer, group)
         return self._stage
 
@@ -170,7 +181,6 @@ class ReplicatedSave:
         assert stage is not None, "__exit__ without __enter__"
         if stage.nested:
             return
-        assert self._entry is not None
         assert self._channel is not None
         try:
             if stage.is_writer:
@@ -179,7 +189,8 @@ class ReplicatedSave:
                 self._exit_peer(stage, self._channel, exc)
         finally:
             # Only now: until the stage is promoted or discarded, recovery must see it as in use.
-            active.pop(self._entry)
+            if self._entry is not None:
+                active.pop(self._entry)
             if self._watchdog is not None:
                 self._watchdog.stop()
 
@@ -196,7 +207,12 @@ class ReplicatedSave:
             except BaseException as finish_error:
                 error = finish_error
         if error is None:
-            channel.publish(Outcome(True, stage.target, stage.group.rank, value=value))
+            # Directories on local filesystems only: see Outcome.version.
+            version, replaced = getattr(promotion, "version", None), getattr(promotion, "replaced", None)
+            outcome = Outcome(
+                True, stage.target, stage.group.rank, value=value, version=version, replaced=replaced
+            )
+            channel.publish(outcome)
             channel.enter_phase("done")
             return
         try:
@@ -214,9 +230,11 @@ class ReplicatedSave:
         raise error
 
     def _exit_peer(self, stage: Stage, channel: Channel, exc: BaseException | None) -> None:
-        scratch = stage.path if self.kind == "directory" else os.path.dirname(stage.path)
-        own = scratch_files(scratch) if self.kind == "directory" and exc is None else {}
-        shutil.rmtree(scratch, ignore_errors=True)
+        own: dict[str, int] = {}
+        if stage.path:
+            scratch = stage.path if self.kind == "directory" else os.path.dirname(stage.path)
+            own = scratch_files(scratch) if self.kind == "directory" and exc is None else {}
+            shutil.rmtree(scratch, ignore_errors=True)
         if exc is not None:
             return  # this rank's own error; the writer never waits for it
         started = time.monotonic()
@@ -225,8 +243,14 @@ class ReplicatedSave:
         outcome.raise_if_failed(stage.group.rank)
         stage.result = decode_value(outcome.value)
         # NFS: this rank may be another client whose attribute/dentry cache still shows the old version
-        # for a while after the writer promoted. Return only once this save is visible from here.
-        channel.wait_visible(visibility.landed, started + self.timeout)
+        # for a while after the writer promoted. Return only once this save is visible from here: one stat
+        # of the manifest the writer named, unless this rank must compare its own files with it.
+        landed = visibility.landed
+        if outcome.version is not None and isinstance(visibility, DirectoryVisibility):
+            landed = functools.partial(
+                visibility.shows_version, outcome.version, outcome.replaced, read=bool(own)
+            )
+        channel.wait_visible(landed, started + self.timeout)
         if own and isinstance(visibility, DirectoryVisibility):
             check_against_landed(own, visibility.landed_files(), stage)
 

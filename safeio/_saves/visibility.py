@@ -9,9 +9,11 @@ number).
 
 from __future__ import annotations
 
+import contextlib
 import os
 from typing import Any
 
+from safeio._storage import manifest
 from safeio._storage.location import Location
 from safeio._storage.readers import reader_for
 
@@ -40,9 +42,10 @@ class DirectoryVisibility:
         self.call_id = call_id
         self.manifest = manifest or not location.is_local  # on object stores it is the commit marker
         self._reader = reader_for(location)
-        # The manifest's call id when this peer entered the save: any other complete version seen later
-        # was promoted since, by our writer or a newer save (a rival job's), and ends the wait.
-        self.seen_at_start: object = None
+        # The manifest's call id when this peer entered the save (read only when there is no store to
+        # hear the outcome from): any other complete version seen later was promoted since, by our writer
+        # or a newer save (a rival job's), and ends the wait. Not read: a rival's version never does.
+        self.seen_at_start: object = _NOT_READ
         self._landed: dict[str, Any] | None = None
         self._landed_call: dict[str, Any] | None = None
 
@@ -51,30 +54,50 @@ class DirectoryVisibility:
             record = self._reader.manifest()
             self.seen_at_start = record.get("call") if record else None
 
-    def _covering(self, record: dict[str, Any]) -> dict[str, Any] | None:
-        """The call record of ``record`` that shows this save landed, if any."""
+    def _covering(self, record: dict[str, Any], newer: bool = False) -> dict[str, Any] | None:
+        """The call record of ``record`` that shows this save landed, if any. ``newer``: ``record`` is
+        known to be a version promoted after this save's (see ``shows_version``)."""
         calls = record.get("calls") or [{"call": record.get("call"), "result": record.get("result")}]
         for call in reversed(calls):
             if call_covers(call.get("call"), self.call_id):
                 return dict(call)
         recorded = record.get("call")
         rival = isinstance(recorded, str) and _job(recorded) != _job(self.call_id)
-        if rival and recorded != self.seen_at_start:
+        if rival and (newer or (self.seen_at_start is not _NOT_READ and recorded != self.seen_at_start)):
             # Another job's save promoted since this peer entered (a rival writer): the wait is over.
             return {"call": recorded, "result": record.get("result")}
         return None
 
-    def landed(self) -> bool:
+    def landed(self, *, newer: bool = False) -> bool:
         if not self.manifest:
             return self._reader.exists()
         record = self._reader.manifest()
         if record is None:
             return False
-        call = self._covering(record)
+        call = self._covering(record, newer)
         if call is None or self._reader.problems(record, check_hashes=False):
             return False
         self._landed, self._landed_call = record, call
         return True
+
+    def shows_version(self, version: list[int], replaced: list[int] | None, *, read: bool = False) -> bool:
+        """Whether this rank sees the version the writer promoted (``manifest.version_of``) or a later one.
+
+        One stat of the manifest, which is all it takes unless this rank's view differs. Then the full
+        ``landed`` check: a later save of this job covers this one; a rival job's version that is neither
+        the one promoted nor the one it replaced was promoted after it (a stale view shows the replaced).
+        ``read``: read the manifest even when the stat matches (for ``landed_files``).
+        """
+        current = None
+        if self.location.is_local and self.manifest:
+            with contextlib.suppress(OSError):
+                current = manifest.version_of(
+                    os.lstat(os.path.join(self.location.path, manifest.MANIFEST_NAME))
+                )
+            if current == list(version) and not read:
+                return True
+        expected = (list(version), list(replaced) if replaced is not None else None)
+        return self.landed(newer=current is not None and current not in expected)
 
     def landed_files(self) -> dict[str, int] | None:
         """The files (name -> size) of the version ``landed`` last saw, or None without a manifest."""
@@ -84,6 +107,9 @@ class DirectoryVisibility:
 
     def result(self) -> Any:
         return self._landed_call.get("result") if self._landed_call else None
+
+
+_NOT_READ = object()
 
 
 def _job(call_id: str) -> str:

@@ -120,8 +120,9 @@ def walk_directories(dir_fd: int) -> Iterator[tuple[str, int]]:
         yield ("" if dirpath == "." else dirpath[2:]), fd
 
 
-def fsync_fd_tree(dir_fd: int) -> None:
-    """fsync every regular file and directory below ``dir_fd`` (children before their directory)."""
+def fsync_fd_tree(dir_fd: int, *, root: bool = True) -> None:
+    """fsync every regular file and directory below ``dir_fd`` (children before their directory);
+    ``root=False`` leaves ``dir_fd`` itself to the caller (who adds entries to it first)."""
     for _rel, fd, name, st in walk_files(dir_fd):
         if stat.S_ISREG(st.st_mode):
             file_fd, _ = open_regular_file(fd, name)
@@ -129,5 +130,6 @@ def fsync_fd_tree(dir_fd: int) -> None:
                 os.fsync(file_fd)
             finally:
                 os.close(file_fd)
-    for _rel, fd in walk_directories(dir_fd):
-        os.fsync(fd)
+    for rel, fd in walk_directories(dir_fd):
+        if rel or root:
+            os.fsync(fd)

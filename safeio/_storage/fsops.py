@@ -1,4 +1,4 @@
-"""Local filesystem operations shared by promotion and recovery: permissions and tree removal."""
+"""Local filesystem operations shared by promotion and recovery: removing a tree, never following a link."""
 
 from __future__ import annotations
 
@@ -9,8 +9,7 @@ import shutil
 import stat
 import time
 
-from safeio._storage.dirfd import held_directory, open_regular_file, walk_directories, walk_files
-from safeio._storage.posix import current_umask
+from safeio._storage.dirfd import held_directory
 from safeio._who import who
 
 logger = logging.getLogger("safeio")
@@ -18,35 +17,6 @@ logger = logging.getLogger("safeio")
 # NFS renames a removed-but-open file to .nfsXXXX ("silly rename"); its directory cannot be removed
 # until the reader closes it. Retry briefly, then leave the remains to `safeio gc`.
 _REMOVE_ATTEMPTS = 3
-
-
-def normalize_permissions(stage_fd: int) -> None:
-    """Give the stage and everything in it the modes a plain mkdir/open under the umask would give.
-
-    The stage is created by safeio, but tools write into it with their own modes (safetensors writes
-    weights 0600 through mkstemp); a replicated checkpoint must be readable by whoever could read a
-    checkpoint written without safeio. A directory keeps its setgid bit, which mkdir inherits in a
-    setgid project share: clearing it would make later writes there (DCP shards) lose the group. Files
-    are changed through a descriptor opened without following links, so a link the body wrote (or one
-    planted in a group-writable stage) is never followed to chmod something elsewhere.
-    """
-    umask = current_umask()
-    dir_mode, file_mode = 0o777 & ~umask, 0o666 & ~umask
-    for _rel, fd, name, st in walk_files(stage_fd):
-        if not stat.S_ISREG(st.st_mode):
-            continue
-        wanted = file_mode | (st.st_mode & 0o111 & ~umask)
-        if stat.S_IMODE(st.st_mode) != wanted:
-            file_fd, _ = open_regular_file(fd, name)
-            try:
-                os.fchmod(file_fd, wanted)
-            finally:
-                os.close(file_fd)
-    for _rel, fd in walk_directories(stage_fd):
-        mode = os.fstat(fd).st_mode
-        wanted = dir_mode | (mode & stat.S_ISGID)
-        if stat.S_IMODE(mode) != wanted:
-            os.fchmod(fd, wanted)
 
 
 def remove_at(dir_fd: int, name: str, *, what: str = "leftover", shown: str | None = None) -> bool:

@@ -11,10 +11,13 @@ needs a manual break).
 from __future__ import annotations
 
 import contextlib
+import errno
+import fcntl
 import logging
 import os
 import time
 from collections.abc import Iterator
+from typing import Protocol
 
 import filelock
 
@@ -60,11 +63,95 @@ class _SoftFileLease(filelock.SoftFileLease):
                 os.rename(aside, lock_file)
 
 
+class PromotionLock(Protocol):
+    """What ``held`` needs of a lock: filelock's locks and ``DirectoryFlock``."""
+
+    @property
+    def lock_file(self) -> str: ...
+    @property
+    def timeout(self) -> float: ...
+    def acquire(self) -> object: ...
+    def release(self) -> None: ...
+
+
+# flock(2) unsupported here: filelock's FileLock knows the fallbacks (a soft marker).
+_NO_FLOCK = frozenset({errno.ENOSYS, errno.EOPNOTSUPP, errno.ENOLCK, errno.EINVAL})
+_FIRST_POLL, _MAX_POLL = 0.001, 0.05
+
+
+class DirectoryFlock:
+    """An exclusive ``flock(2)`` on the lock file beside a target, opened relative to the held parent.
+
+        On a local disk the lock is one open and one flock. filelock's ``FileLock`` takes the same lock (the
+        two exclude each other: one inode, one flock) but reopens the lock by path, and the parent a save
+        holds may have been renamed and replaced since it was opened — the lock must be the one in the
+        directory the save promotes into — and its per-acquisition bookkeeping (fork tracking, fallback
+        probes) cost 0.2 ms, a third of a small save's whole overhead. The file is opened without following a
+        link and without blocking on a FIFO (a FIFO planted there locks like a file; a directory is an error
+    naming the lock); nothing is ever read from or written to it. A
+        filesystem without flock is handed to filelock's ``FileLock``, which falls back to a soft marker.
+    """
+
+    def __init__(self, parent_fd: int, name: str, shown: str, timeout: float) -> None:
+        self._parent_fd, self._name = parent_fd, name
+        self.lock_file, self.timeout = shown, timeout
+        self._fd = -1
+        self._fallback: filelock.BaseFileLock | None = None
+
+    def acquire(self) -> None:
+        fd = self._open()
+        deadline, pause = time.monotonic() + self.timeout, _FIRST_POLL
+        try:
+            while True:
+                try:
+                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                    break
+                except BlockingIOError:
+                    remaining = deadline - time.monotonic()
+                    if remaining <= 0:
+                        raise filelock.Timeout(self.lock_file) from None
+                    time.sleep(min(pause, remaining))  # bounded poll: flock offers no timed wait
+                    pause = min(pause * 2, _MAX_POLL)
+                except OSError as exc:
+                    if exc.errno not in _NO_FLOCK:
+                        raise
+                    os.close(fd)
+                    fd = -1
+                    self._fallback = filelock.FileLock(self.lock_file, timeout=self.timeout)
+                    self._fallback.acquire()
+                    return
+        except BaseException:
+            if fd >= 0:
+                os.close(fd)
+            raise
+        self._fd = fd
+
+    def _open(self) -> int:
+        flags = os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+        try:
+            return os.open(self._name, flags | os.O_RDWR, 0o666, dir_fd=self._parent_fd)
+        except PermissionError:  # another account's lock file: a read-only descriptor locks as well
+            return os.open(self._name, flags | os.O_RDONLY, 0o666, dir_fd=self._parent_fd)
+
+    def release(self) -> None:
+        if self._fallback is not None:
+            self._fallback.release()
+            self._fallback = None
+        if self._fd >= 0:
+            fd, self._fd = self._fd, -1
+            os.close(fd)  # closing the only descriptor releases the flock
+
+
 def make_lock(
-    path: str, setting: LockSetting, timeout: float, lease_duration: float | None = None
-) -> filelock.BaseFileLock | None:
+    path: str,
+    setting: LockSetting,
+    timeout: float,
+    lease_duration: float | None = None,
+    *,
+    parent_fd: int | None = None,
+) -> PromotionLock | None:
     """The lock ``setting`` names for ``path``; a lease lives ``lease_duration`` s (default: from the
-    environment)."""
+    environment). With ``parent_fd`` (``path``'s directory, held), a local flock is taken through it."""
     if setting is False:
         return None
     kind = setting
@@ -73,6 +160,8 @@ def make_lock(
     elif setting == "auto":
         kind = "lease" if is_network_path(os.path.dirname(path)) else "flock"
     if kind == "flock":
+        if parent_fd is not None:
+            return DirectoryFlock(parent_fd, os.path.basename(path), path, timeout)
         return filelock.FileLock(path, timeout=timeout)
     if kind == "lease":
         return _SoftFileLease(
@@ -86,7 +175,7 @@ def make_lock(
 
 
 @contextlib.contextmanager
-def held(lock: filelock.BaseFileLock | None, target: str, rank: int) -> Iterator[None]:
+def held(lock: PromotionLock | None, target: str, rank: int) -> Iterator[None]:
     """Hold ``lock`` (if any) for the block; a lock not acquired in time raises LockTimeout."""
     if lock is None:
         yield
@@ -112,7 +201,7 @@ def held(lock: filelock.BaseFileLock | None, target: str, rank: int) -> Iterator
         )
 
 
-def _describe_holder(lock: filelock.BaseFileLock) -> str | None:
+def _describe_holder(lock: PromotionLock) -> str | None:
     # Soft locks record their owner (pid, host) in the marker; flock records nothing. The marker is read
     # as the untrusted input it is: relative to the held parent, never through a link, never a FIFO.
     parent, name = os.path.split(lock.lock_file)

@@ -117,17 +117,30 @@ def dumps(manifest: dict[str, Any]) -> bytes:
     return json.dumps(manifest, separators=(",", ":"), sort_keys=True).encode()
 
 
-def write(dir_fd: int, manifest: dict[str, Any], *, durable: bool) -> None:
+def write(dir_fd: int, manifest: dict[str, Any], *, durable: bool) -> list[int]:
+    """Write the manifest into ``dir_fd``; returns its ``version_of`` (inode and size)."""
     flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
     fd = os.open(MANIFEST_NAME, flags, 0o666, dir_fd=dir_fd)
     try:
         data = dumps(manifest)
+        size = len(data)
         while data:
             data = data[os.write(fd, data) :]
         if durable:
             os.fsync(fd)
+        return [os.fstat(fd).st_ino, size]
     finally:
         os.close(fd)
+
+
+def version_of(st: os.stat_result) -> list[int]:
+    """What tells one promoted version's manifest from another's, as every client of a share sees it.
+
+    Each save creates its manifest while the previous one still exists, so two versions' manifests never
+    share an inode; the size guards a number reused much later. (Not the mtime: an NFS client's own view
+    of a file it wrote can differ from the server's until the file is closed.)
+    """
+    return [st.st_ino, st.st_size]
 
 
 def load(directory: str) -> dict[str, Any] | Damaged | None:

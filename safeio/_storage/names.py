@@ -15,7 +15,9 @@ import os
 import re
 import secrets
 import socket
+from collections.abc import Iterable
 from dataclasses import dataclass
+from functools import lru_cache
 from typing import Literal
 
 NAME_MAX = 255
@@ -44,11 +46,15 @@ def _pid_namespace() -> str:
 _NAMESPACE = _pid_namespace()
 
 
+@lru_cache(maxsize=8)
+def _tag(name: str, namespace: str) -> str:
+    return hashlib.sha256(f"{name}\0{namespace}".encode()).hexdigest()[:8]
+
+
 def host_tag(hostname: str | None = None) -> str:
     """Eight hex digits naming a host and this process's PID namespace (long host names would not fit
     beside long target names)."""
-    name = hostname if hostname is not None else socket.gethostname()
-    return hashlib.sha256(f"{name}\0{_NAMESPACE}".encode()).hexdigest()[:8]
+    return _tag(hostname if hostname is not None else socket.gethostname(), _NAMESPACE)
 
 
 def _base36(number: int) -> str:
@@ -92,6 +98,16 @@ def sibling_name(target_name: str, kind: Kind) -> str:
 
 def lock_name(target_name: str) -> str:
     return f".{truncated_base(target_name)}{LOCK_SUFFIX}"
+
+
+def may_have_siblings(names: Iterable[str], target_name: str, *, besides: str = "") -> bool:
+    """Whether a directory listing may hold safeio siblings of ``target_name`` other than ``besides``.
+
+    A name check only (no parse, no stat): a writer that finds none skips recovery altogether, which is
+    the common case; a name that only looks like one is judged by the full recovery.
+    """
+    prefix = f".{truncated_base(target_name)}.safeio-"
+    return any(name != besides for name in [n for n in names if n.startswith(prefix)])
 
 
 @dataclass(frozen=True)

@@ -140,10 +140,10 @@ def _instrument_visibility() -> threading.local:
     probe = threading.local()
 
     def timed(method: Any) -> Any:
-        def wrapper(self: Any, *args: Any) -> Any:
+        def wrapper(self: Any, *args: Any, **kwargs: Any) -> Any:
             wall, cpu = time.perf_counter(), time.thread_time()
             try:
-                return method(self, *args)
+                return method(self, *args, **kwargs)
             finally:
                 reads = getattr(probe, "reads", None)
                 if reads is not None:

@@ -41,7 +41,8 @@ _HELD_PREFIX = "/proc/self/fd/"
 
 # rename, renameat, renameat2 (asm/unistd_64.h; asm-generic/unistd.h)
 _RENAME_SYSCALLS = {"x86_64": {82, 264, 316}, "aarch64": {38, 276}}
-_RUNNING_RETRIES = 50  # 1 ms apart
+# Seconds: on a loaded machine (load 100 on 2 cores) a woken task stayed runnable past 50 ms.
+_RUNNING_FOR_AT_MOST = 2.0
 
 
 def caller_is_renaming(tid: int) -> bool:
@@ -56,7 +57,8 @@ def caller_is_renaming(tid: int) -> bool:
     # The caller waits for this very request, but for a moment after a wake-up its task reads as
     # "running" (no syscall number): ask again, briefly. Under load, taking that moment for "not a
     # rename" removed the name before the rename and a reader got ENOENT.
-    for _ in range(_RUNNING_RETRIES):
+    deadline = time.monotonic() + _RUNNING_FOR_AT_MOST
+    while True:
         try:
             with open(f"/proc/{tid}/syscall", encoding="ascii") as syscall:
                 current = syscall.read().split(maxsplit=1)
@@ -64,8 +66,9 @@ def caller_is_renaming(tid: int) -> bool:
             return False
         if current and current[0].isdigit():
             return int(current[0]) in numbers
-        time.sleep(0.001)
-    return False
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(0.001)  # bounded poll: /proc offers nothing to wait on
 
 
 def is_hidden(path: str | None) -> bool:

@@ -23,7 +23,7 @@ import contextlib
 import logging
 import time
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 from safeio._boundary import mapped
@@ -58,6 +58,9 @@ class Promotion(ABC):
         self.result: Any = None  # the body's result (JSON form), recorded in the manifest
         self.version: list[int] | None = None  # the promoted manifest's ``manifest.version_of``, if local
         self.replaced: list[int] | None = None  # the same of the version it replaced (None: none)
+        # Called by _prepare with the stage's files (relative names) before anything is promoted: the
+        # replicated layer refuses sharded state there (see safeio._saves.replicated).
+        self.check_files: Callable[[list[str]], None] | None = None
 
     # -- the flow ----------------------------------------------------------------------------------
 
@@ -117,6 +120,11 @@ class Promotion(ABC):
         """Make the promotion itself durable (nothing by default)."""
 
     # -- shared by behaviours ----------------------------------------------------------------------
+
+    def check_staged(self, names: Iterable[str]) -> None:
+        """Hand the stage's files to ``check_files`` (behaviours call it from ``_prepare``)."""
+        if self.check_files is not None:
+            self.check_files(list(names))
 
     def phase(self, name: str) -> None:
         if self._on_phase is not None:

@@ -59,7 +59,9 @@ class CommitMarker(Promotion):
     def _prepare(self, stage: str) -> dict[str, dict[str, Any]]:
         # The manifest is the commit marker: always written, whatever the manifest option says.
         with held_directory(stage) as stage_fd:  # our own private directory on node-local disk
-            return manifest.describe_files(stage_fd, hashes=self.options.durable)
+            entries = manifest.describe_files(stage_fd, hashes=self.options.durable)
+        self.check_staged(entries)
+        return entries
 
     def _promote(self, stage: str, entries: dict[str, dict[str, Any]]) -> None:
         try:

@@ -131,10 +131,14 @@ class LocalPromotion(Promotion):
             )
         self.check_target()
         parent = self.parent
+        flags = os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC
         try:
-            os.makedirs(parent, exist_ok=True)
             # The parent is the caller's path (trusted, links included); below it nothing is followed.
-            self.parent_fd = os.open(parent, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+            try:
+                self.parent_fd = os.open(parent, flags)
+            except FileNotFoundError:
+                os.makedirs(parent, exist_ok=True)
+                self.parent_fd = os.open(parent, flags)
         except OSError as exc:
             if exc.errno in NOT_A_DIRECTORY:
                 raise InvalidTargetError(
@@ -203,6 +207,7 @@ class LocalPromotion(Promotion):
         self.contents = settle_stage(
             self.stage_fd, self._stage_mode, describe=describe, hashes=self.options.durable
         )
+        self.check_staged(self.contents.content)
         return self.contents.entries
 
     def _sync(self, stage: str) -> None:

@@ -30,6 +30,7 @@ from safeio._errors import UnsupportedSaveError
 from safeio._options import SaveOptions
 from safeio._promotion import active
 from safeio._promotion.atomic_file import FilePromotion, file_promotion_for
+from safeio._promotion.base import Promotion
 from safeio._promotion.resolver import promotion_for
 from safeio._saves.identity import save_identity
 from safeio._saves.visibility import DirectoryVisibility, FileVisibility
@@ -200,8 +201,8 @@ class ReplicatedSave:
         value = encode_value(stage.result)
         if error is None:
             try:
-                if self.kind == "directory":
-                    refuse_sharded_state(stage.path, stage.target)
+                if self.kind == "directory" and isinstance(promotion, Promotion):
+                    promotion.check_files = functools.partial(refuse_sharded_state, target=stage.target)
                 promotion.result = value
                 promotion.finish(stage.path)
             except BaseException as finish_error:
@@ -303,20 +304,19 @@ def scratch_files(scratch: str) -> dict[str, int]:
 _DCP_SHARD = re.compile(r"__[0-9]+_[0-9]+\.distcp")
 
 
-def refuse_sharded_state(stage: str, target: str) -> None:
-    """torch.distributed.checkpoint shards in a replicated stage: every other rank's are about to be
-    dropped (their stages are throwaway scratch), so the save is refused on the writer, and its peers
-    hear the refusal, rather than promoting one rank's share of the state."""
-    for _dirpath, _dirs, names in os.walk(stage):
-        shards = sorted(n for n in names if _DCP_SHARD.fullmatch(n))
-        if shards:
-            raise UnsupportedSaveError(
-                f"{target}: the save holds torch.distributed.checkpoint shards ({shards[0]}); inside "
-                "replicated() only the writer's files are kept and every other rank's shards would be "
-                "dropped. Save sharded state with safeio.Checkpoints (dcp.save on every rank into "
-                "ckpt.path)",
-                target,
-            )
+def refuse_sharded_state(files: list[str], target: str) -> None:
+    """torch.distributed.checkpoint shards in a replicated stage (``files``: its relative names): every
+    other rank's are about to be dropped (their stages are throwaway scratch), so the save is refused on
+    the writer, and its peers hear the refusal, rather than promoting one rank's share of the state."""
+    shards = sorted(name for name in (f.rpartition("/")[2] for f in files) if _DCP_SHARD.fullmatch(name))
+    if shards:
+        raise UnsupportedSaveError(
+            f"{target}: the save holds torch.distributed.checkpoint shards ({shards[0]}); inside "
+            "replicated() only the writer's files are kept and every other rank's shards would be "
+            "dropped. Save sharded state with safeio.Checkpoints (dcp.save on every rank into "
+            "ckpt.path)",
+            target,
+        )
 
 
 def check_against_landed(own: dict[str, int], landed: dict[str, int] | None, stage: Stage) -> None:

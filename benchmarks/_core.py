@@ -182,3 +182,39 @@ def fsync_dir_files(directory: str) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def wall_table(
+    times: Mapping[int, Mapping[str, Sequence[float]]],
+    worlds: Sequence[int],
+    methods: Sequence[str],
+    digits: int,
+) -> dict[str, Any]:
+    """The results table of wall seconds per checkpoint: one row per method, one column per world size."""
+
+    def ranks(world: int) -> str:
+        return f"{world} rank" if world == 1 else f"{world} ranks"
+
+    rows = []
+    for method in methods:
+        cells = []
+        for w in worlds:
+            s = Spread.of(times[w][method]).scaled(1e3)
+            cells.append(f"{s.median:.{digits}f} [{s.lo:.{digits}f}-{s.hi:.{digits}f}]")
+        rows.append([method, *cells])
+    header = ["method", *[f"{ranks(w)} (ms)" for w in worlds]]
+    return {"title": "Wall time per checkpoint, median [min-max]", "header": header, "rows": rows}
+
+
+def mounts_per_method(base: str, methods: Sequence[str], **options: Any) -> dict[str, Any]:
+    """One NFS-like mount (not started) per method under ``base``, so that each method's operations and
+    hazards are counted on a daemon of its own."""
+    from safeio.testing import nfslike
+
+    mounts = {}
+    for i, method in enumerate(methods):
+        backing, point = os.path.join(base, f"backing{i}"), os.path.join(base, f"mnt{i}")
+        os.mkdir(backing)
+        os.chmod(backing, 0o777)  # every rank and the daemon write there
+        mounts[method] = nfslike.mount(backing, point, **options)
+    return mounts

@@ -12,7 +12,7 @@ import os
 import shutil
 from typing import Any
 
-from benchmarks._core import Result, Row, Spread, ratio_row, ratios, scratch
+from benchmarks._core import Result, Row, Spread, mounts_per_method, ratio_row, ratios, scratch, wall_table
 from benchmarks._ranks import time_on_ranks, walls
 
 NAME = "scaling"
@@ -87,12 +87,7 @@ def run(quick: bool = False, disk: str = "/tmp") -> Result:
         result.notes.append(f"skipped: FUSE unavailable ({nfslike.fuse_unavailable_reason()})")
         return result
     with scratch(disk) as base:
-        mounts = {}
-        for i, method in enumerate(METHODS):
-            backing, point = os.path.join(base, f"backing{i}"), os.path.join(base, f"mnt{i}")
-            os.mkdir(backing)
-            os.chmod(backing, 0o777)
-            mounts[method] = nfslike.mount(backing, point)
+        mounts = mounts_per_method(base, METHODS)
         for m in mounts.values():
             m.start()
         try:
@@ -242,17 +237,7 @@ def _report(
     result.tables.append(
         {"title": "Shared-filesystem operations per checkpoint", "header": header, "rows": rows}
     )
-    header = ["method", *[f"{_ranks(w)} (ms)" for w in worlds]]
-    rows = []
-    for method in METHODS:
-        cells = []
-        for w in worlds:
-            s = Spread.of(times[w][method]).scaled(1e3)
-            cells.append(f"{s.median:.1f} [{s.lo:.1f}-{s.hi:.1f}]")
-        rows.append([method, *cells])
-    result.tables.append(
-        {"title": "Wall time per checkpoint, median [min-max]", "header": header, "rows": rows}
-    )
+    result.tables.append(wall_table(times, worlds, METHODS, digits=1))
     result.plots.append(
         {
             "title": "3a. shared write ops per checkpoint (all ranks)",

@@ -18,7 +18,7 @@ import shutil
 from collections import Counter
 from typing import Any
 
-from benchmarks._core import Result, Row, Spread, ratio_row, ratios, scratch
+from benchmarks._core import Result, Row, Spread, mounts_per_method, ratio_row, ratios, scratch, wall_table
 from benchmarks._ranks import time_on_ranks, walls
 from benchmarks.scaling import WRITE_OPS, _count
 
@@ -113,12 +113,7 @@ def run(quick: bool = False, disk: str = "/tmp") -> Result:
     damaged: dict[int, dict[str, list[int]]] = {}
     reference: dict[str, bytes] = {}
     with scratch(disk) as base:
-        mounts = {}
-        for i, method in enumerate(METHODS):
-            backing, point = os.path.join(base, f"backing{i}"), os.path.join(base, f"mnt{i}")
-            os.mkdir(backing)
-            os.chmod(backing, 0o777)
-            mounts[method] = nfslike.mount(backing, point, hazard_timeout=DEFAULT_HAZARD_TIMEOUT)
+        mounts = mounts_per_method(base, METHODS, hazard_timeout=DEFAULT_HAZARD_TIMEOUT)
         try:
             for m in mounts.values():
                 m.start()
@@ -326,17 +321,7 @@ def _tables(
     errors: dict[str, list[str]],
 ) -> None:
     one, top = worlds
-    header = ["method", *[f"{_ranks(w)} (ms)" for w in worlds]]
-    rows = []
-    for method in METHODS:
-        cells = []
-        for w in worlds:
-            s = Spread.of(times[w][method]).scaled(1e3)
-            cells.append(f"{s.median:.0f} [{s.lo:.0f}-{s.hi:.0f}]")
-        rows.append([method, *cells])
-    result.tables.append(
-        {"title": "Wall time per checkpoint, median [min-max]", "header": header, "rows": rows}
-    )
+    result.tables.append(wall_table(times, worlds, METHODS, digits=0))
     header = [
         "method",
         f"write ops, {_ranks(one)}",

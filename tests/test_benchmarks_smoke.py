@@ -7,23 +7,31 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
-@pytest.mark.timeout(60)
-def test_quick_promotion_benchmark_writes_results(tmp_path: Path) -> None:
-    out = tmp_path / "results"
+def _quick(out: Path, name: str, timeout: float = 110) -> dict[str, Any]:
+    """Run one benchmark in quick mode into ``out``; its result as results.json holds it."""
     subprocess.run(
-        [sys.executable, "-m", "benchmarks", "--quick", "--only", "promotion", "--out", str(out)],
+        [sys.executable, "-m", "benchmarks", "--quick", "--only", name, "--out", str(out)],
         cwd=ROOT,
         check=True,
         capture_output=True,
-        timeout=60,
+        timeout=timeout,
         env={**os.environ, "PYTHONPATH": str(ROOT)},
     )
+    result: dict[str, Any] = json.loads((out / "results.json").read_text())["benchmarks"][name]
+    return result
+
+
+@pytest.mark.timeout(60)
+def test_quick_promotion_benchmark_writes_results(tmp_path: Path) -> None:
+    out = tmp_path / "results"
+    _quick(out, "promotion", timeout=60)
     doc = json.loads((out / "results.json").read_text())
     assert set(doc) == {"meta", "benchmarks"}
     assert {"command", "date", "machine", "seconds", "ran"} <= set(doc["meta"])
@@ -46,15 +54,7 @@ def test_quick_seed_benchmark_reports_rows(tmp_path: Path) -> None:
 
     require_fuse()
     out = tmp_path / "results"
-    subprocess.run(
-        [sys.executable, "-m", "benchmarks", "--quick", "--only", "seed", "--out", str(out)],
-        cwd=ROOT,
-        check=True,
-        capture_output=True,
-        timeout=110,
-        env={**os.environ, "PYTHONPATH": str(ROOT)},
-    )
-    result = json.loads((out / "results.json").read_text())["benchmarks"]["seed"]
+    result = _quick(out, "seed")
     assert result["quick"] is True
     figures = [row["figure"] for row in result["rows"]]
     assert any("safeio wall / unguarded wall" in f for f in figures), result["notes"]
@@ -72,15 +72,7 @@ def test_quick_peers_benchmark_reports_rows(tmp_path: Path) -> None:
     import math
 
     out = tmp_path / "results"
-    subprocess.run(
-        [sys.executable, "-m", "benchmarks", "--quick", "--only", "peers", "--out", str(out)],
-        cwd=ROOT,
-        check=True,
-        capture_output=True,
-        timeout=110,
-        env={**os.environ, "PYTHONPATH": str(ROOT)},
-    )
-    result = json.loads((out / "results.json").read_text())["benchmarks"]["peers"]
+    result = _quick(out, "peers")
     assert result["quick"] is True
     figures = [row["figure"] for row in result["rows"]]
     for setup in ("4 ranks", "64 simulated peers"):

@@ -33,6 +33,7 @@ from safeio._storage.fsops import remove_at
 from safeio._storage.location import Location
 from safeio._storage.locking import held, lock_path_for, make_lock
 from safeio._storage.metadata import Damaged, load_manifest
+from safeio._storage.mounts import is_network_device
 from safeio._storage.names import NAME_MAX, may_have_siblings, sibling_name
 from safeio._storage.posix import rename_noreplace
 from safeio._storage.readers import version_pointee
@@ -239,19 +240,30 @@ class LocalPromotion(Promotion):
             return False  # leftovers are put right under the lock
         self.phase("promote")
         self.check_stage()
-        self.write_manifest(entries, None)
-        self.seal_stage()
-        try:
-            rename_noreplace(self.stage_name, self.name, self.parent_fd)
-        except OSError as exc:
-            if exc.errno not in _TAKEN:
-                raise
-            if self.options.manifest:  # written again under the lock, from what is there now
-                os.unlink(manifest.MANIFEST_NAME, dir_fd=self.stage_fd)
-                self.version = None
+        if not self._rename_into_place(entries):
             return False
         logger.debug("%s: %s is new: promoted without the lock", who(self.rank), self.target)
         return True
+
+    def _rename_into_place(self, entries: dict[str, dict[str, Any]]) -> bool:
+        """The stage becomes the target, which does not exist; False (nothing changed) if a rival's
+        version took the name first, which first saves promote without the lock."""
+        self.write_manifest(entries, None)
+        self.seal_stage()
+        try:
+            rename_noreplace(self.stage_name, self.name, self.parent_fd, flag=self._noreplace_flag())
+        except OSError as exc:
+            if exc.errno not in _TAKEN:
+                raise
+            if self.options.manifest:  # written again from what is there now
+                os.unlink(manifest.MANIFEST_NAME, dir_fd=self.stage_fd)
+                self.version = None
+            return False
+        return True
+
+    def _noreplace_flag(self) -> bool:
+        # NFS and FUSE refuse RENAME_NOREPLACE: asking would be one more round trip to the server.
+        return not is_network_device(os.fstat(self.parent_fd).st_dev, self.parent)
 
     @contextlib.contextmanager
     def _locked(self) -> Iterator[None]:
@@ -272,12 +284,10 @@ class LocalPromotion(Promotion):
         self._recover(self.parent, self.parent_fd, self.name, self.options.durable, self.stage_name)
 
     def _promote(self, stage: str, entries: dict[str, dict[str, Any]]) -> None:
-        if lstat_at(self.parent_fd, self.name) is not None:
-            self._replace_existing(stage, entries)
+        if lstat_at(self.parent_fd, self.name) is None and self._rename_into_place(entries):
             return
-        self.write_manifest(entries, None)
-        self.seal_stage()
-        os.rename(self.stage_name, self.name, src_dir_fd=self.parent_fd, dst_dir_fd=self.parent_fd)
+        self.check_target()  # a first save of a rival job may have taken the name meanwhile
+        self._replace_existing(stage, entries)
 
     def _current_version(self) -> list[int] | None:
         """``manifest.version_of`` the target's manifest now (through a version link), if it has one."""

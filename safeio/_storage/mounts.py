@@ -79,6 +79,18 @@ def mount_of(path: str) -> MountInfo | None:
 
 
 _network_by_device: dict[int, tuple[str, bool]] = {}
+_network_devices: dict[int, bool] = {}
+
+
+def is_network_device(device: int, path: str) -> bool:
+    """Whether ``device`` (that of ``path``) is a network or FUSE filesystem: mountinfo is read once per
+    device. A device number a later mount reuses may get a stale answer: use it only where either
+    answer is safe (whether to ask for a rename flag), else ``is_network_path``."""
+    known = _network_devices.get(device)
+    if known is None:
+        mount = mount_of(path)
+        known = _network_devices[device] = mount is not None and mount.is_network
+    return known
 
 
 def is_network_path(path: str) -> bool:

@@ -44,15 +44,15 @@ EXCHANGE_UNSUPPORTED = frozenset({errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP, 
 _noreplace_refused: set[int] = set()  # devices whose filesystem refused RENAME_NOREPLACE
 
 
-def rename_noreplace(src: str, dst: str, dir_fd: int) -> None:
+def rename_noreplace(src: str, dst: str, dir_fd: int, *, flag: bool = True) -> None:
     """Rename ``src`` to ``dst`` in ``dir_fd`` unless ``dst`` exists (then EEXIST).
 
-    Where the filesystem lacks the flag (NFS and FUSE answer EINVAL; remembered per device), a plain
-    rename: a directory then still never replaces a non-empty directory (ENOTEMPTY) or a link (ENOTDIR),
-    only an empty directory.
+    Where the filesystem lacks the flag (NFS and FUSE answer EINVAL; remembered per device), or with
+    ``flag=False`` (the caller knows it lacks it), a plain rename: a directory then still never replaces a
+    non-empty directory (ENOTEMPTY) or a link (ENOTDIR), only an empty directory.
     """
     device = os.fstat(dir_fd).st_dev
-    if device not in _noreplace_refused:
+    if flag and device not in _noreplace_refused:
         try:
             renameat2(src, dst, RENAME_NOREPLACE, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
             return

@@ -571,16 +571,14 @@ def _report(result: Result, runs: dict[str, dict[str, Any]], worlds: list[int], 
     result.notes.append(
         "Keys the saves left in the store, by kind (an example of each): "
         + ("; ".join(leftovers[k] for k in sorted(leftovers)) if leftovers else "none")
-        + ". <target>/last is the record a writer keeps per target (safeio/<digest>/last, set by "
-        "Channel.publish for peers' timeout messages) and never deletes: a run that saves into a fresh "
-        "checkpoint-N directory each time leaves one key per checkpoint, for good. <call>/phase is the "
-        "writer's progress record, set again (phase 'done') after the outcome is published: when the last "
-        "peer's acknowledgement has deleted the call's keys before that set lands, it stays (until the same "
-        "target and call site are saved 64 times more)."
+        + ". What a save puts in the store: the outcome (<call>), the writer's progress record "
+        "(<call>/phase, never written once the outcome is), the peers' acknowledgements (<call>/acks) and "
+        "the target's last-save record for timeout messages (<target>/last, written before the outcome); "
+        "the last peer to acknowledge deletes all four, so a key left here is one that outlived its save."
     )
     result.notes.append(
         "A peer can return before its writer does (negative latencies): after publishing the outcome the "
-        "writer still publishes its 'done' phase and stops its watchdog. The entry spread is how far apart "
+        "writer still stops its watchdog and returns through its own frames. The entry spread is how far apart "
         "the ranks started the save after the barrier; with many peers on two cores some peers are still "
         "entering when the writer has already returned, which the figure includes."
     )

@@ -198,10 +198,11 @@ class Channel:
         with self._publishing:
             self._closed = True
         try:
-            store.set(self.key, outcome.encode())
-            # For a peer's timeout message: what this writer last saved of the target.
+            # For a peer's timeout message: what this writer last saved of the target. Set before the
+            # outcome: the last peer to hear the outcome deletes it, and must not do so before it is set.
             last = {"identity": self.identity, "seq": self.seq, "ok": outcome.ok}
             store.set(self.last_key, json.dumps(last))
+            store.set(self.key, outcome.encode())
         except Exception as exc:
             # Peers fall back to the filesystem (or time out with a PeerTimeout naming this rank).
             logger.warning(

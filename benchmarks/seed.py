@@ -361,9 +361,9 @@ def _tables(
     if peers:
         result.notes.append(
             f"safeio: the {len(peers)} of {top} ranks that wrote nothing make {min(peers):.1f}-"
-            f"{max(peers):.1f} shared operations each per checkpoint (see figure 3): after the outcome arrives "
-            "through the store, each reads the target's manifest to confirm that the new version is visible "
-            "from its own client."
+            f"{max(peers):.1f} counted shared operations each per checkpoint (see figure 3): the outcome "
+            "arrives through the store, and one stat of the manifest it names (the mount counts opens, reads "
+            "and writes, not stats) confirms that the new version is visible from the rank's own client."
         )
     result.notes.append(
         "The unguarded wall time is bounded by the mount's interlock timeout: each blocked truncation fails "

@@ -90,6 +90,8 @@ class DirectoryVisibility:
         """
         current = None
         if self.location.is_local and self.manifest:
+            # By path: a peer holds no handle on the share. Only metadata is read, and a link planted on
+            # the way can only show a version that is not the promoted one, which the full check judges.
             with contextlib.suppress(OSError):
                 current = manifest.version_of(
                     os.lstat(os.path.join(self.location.path, manifest.MANIFEST_NAME))

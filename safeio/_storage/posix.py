@@ -51,8 +51,8 @@ def rename_noreplace(src: str, dst: str, dir_fd: int, *, flag: bool = True) -> N
     ``flag=False`` (the caller knows it lacks it), a plain rename: a directory then still never replaces a
     non-empty directory (ENOTEMPTY) or a link (ENOTDIR), only an empty directory.
     """
-    device = os.fstat(dir_fd).st_dev
-    if flag and device not in _noreplace_refused:
+    device = os.fstat(dir_fd).st_dev if flag else None
+    if device is not None and device not in _noreplace_refused:
         try:
             renameat2(src, dst, RENAME_NOREPLACE, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
             return

@@ -181,6 +181,39 @@ def test_an_unlinked_open_file_stays_usable(nfslike_mount: Mount) -> None:
     assert nfslike_mount.ops().of(os.getpid())["unlink"] == 1
 
 
+@pytest.mark.parametrize("silly", [False, True], ids=["held", "silly"])
+def test_a_hidden_file_stays_where_it_was_located_until_the_block_ends(tmp_path: Path, silly: bool) -> None:
+    # A reader that looked the name up before a rename opens the old file through libfuse's
+    # hidden name while the last other handle may be closing. Its location (a held descriptor or
+    # a .nfs name) must outlive that open: releasing it meanwhile gave the reader ENOENT.
+    from safeio.testing.nfslike._handles import Handle, HandleTable
+    from safeio.testing.nfslike._hidden import HiddenFiles
+
+    real = tmp_path / "tokenizer.json"
+    real.write_text("old")
+    handles = HandleTable()
+    fd = os.open(real, os.O_RDONLY)
+    st = os.fstat(fd)
+    handles.add(Handle(fd, (st.st_dev, st.st_ino), os.getpid(), "/tokenizer.json"))
+    hidden = HiddenFiles(handles, silly=silly)
+    hidden.hide(str(real), "/.fuse_hidden0001", keep_name=False)
+    with hidden.pinned("/.fuse_hidden0001", str(tmp_path)) as located:
+        assert located is not None
+        handles.remove(fd)
+        os.close(fd)
+        releasing = threading.Thread(target=hidden.release, args=((st.st_dev, st.st_ino),))
+        releasing.start()
+        releasing.join(0.5)
+        assert releasing.is_alive(), "the release did not wait for the pinned location"
+        with open(located, encoding="utf-8") as old:
+            assert old.read() == "old"
+    releasing.join(10)
+    assert not releasing.is_alive()
+    with hidden.pinned("/.fuse_hidden0001", str(tmp_path)) as located:
+        assert located is None
+    assert os.listdir(tmp_path) == []
+
+
 def test_mountinfo_shows_fuse_nfslike(nfslike_mount: Mount) -> None:
     with open("/proc/self/mountinfo", encoding="utf-8") as info:
         lines = [line.split() for line in info]

@@ -13,6 +13,7 @@ import logging
 import os
 import stat
 import struct
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import mfusepy
@@ -90,21 +91,38 @@ class NfsLikeFS(mfusepy.Operations):  # type: ignore[misc]  # mfusepy is untyped
     # ---- helpers -------------------------------------------------------------------------------
 
     def _real(self, path: str) -> str:
+        """The backing location of a name. A hidden file has none that lasts: use `_at`."""
         if is_hidden(path):
-            located = self._located(path)
-            if located is None:
-                # A hidden file already released: its node is stale, as a deleted file's NFS
-                # handle is. ESTALE (unlike ENOENT) makes the kernel redo the lookup and retry.
-                raise OSError(errno.ESTALE, "nfslike: stale hidden file", path)
-            return located
+            raise self._stale(path)
         return os.path.join(self.root, path.lstrip("/"))
 
-    def _located(self, path: str | None) -> str | None:
-        """The backing location of a file libfuse hid (see _hidden.py), else None."""
+    @contextlib.contextmanager
+    def _at(self, path: str) -> Iterator[str]:
+        """The backing location of `path`, valid for the block; keep one system call in it.
+
+        Names are stable; a file libfuse hid (see _hidden.py) is held only until its last close,
+        so its location is pinned for the block.
+        """
         if not is_hidden(path):
-            return None
+            yield self._real(path)
+            return
+        with self.hidden.pinned(path, self._real(os.path.dirname(path))) as located:
+            if located is None:
+                raise self._stale(path)
+            yield located
+
+    @staticmethod
+    def _stale(path: str) -> OSError:
+        # A hidden file already released: its node is stale, as a deleted file's NFS handle is.
+        # ESTALE (unlike ENOENT) makes the kernel redo the lookup and retry.
+        return OSError(errno.ESTALE, "nfslike: stale hidden file", path)
+
+    def _is_free_hidden_name(self, path: str | None) -> bool:
+        if not is_hidden(path):
+            return False
         assert path is not None
-        return self.hidden.locate(path, self._real(os.path.dirname(path)))
+        with self.hidden.pinned(path, self._real(os.path.dirname(path))) as located:
+            return located is None
 
     def _enter(self, *paths: str | None) -> None:
         """Start of every user-visible operation: faults (latency, hang) apply here."""
@@ -161,12 +179,12 @@ class NfsLikeFS(mfusepy.Operations):  # type: ignore[misc]  # mfusepy is untyped
             self._enter(*self._paths(path, fh))
             st = os.fstat(fh)
         else:
-            if is_hidden(path) and self._located(path) is None:
+            if self._is_free_hidden_name(path):
                 # libfuse probing for a free hidden name (internal): it needs ENOENT.
                 raise OSError(errno.ENOENT, "nfslike: no such hidden file", path)
             self._enter(path)
-            real = self._real(path or "/")
-            st = os.stat(real, follow_symlinks=is_held(real))
+            with self._at(path or "/") as real:
+                st = os.stat(real, follow_symlinks=is_held(real))
         attrs: dict[str, Any] = {key: getattr(st, key) for key in _STAT_KEYS}
         attrs.update(st_atime=st.st_atime_ns, st_mtime=st.st_mtime_ns, st_ctime=st.st_ctime_ns)
         return attrs
@@ -202,29 +220,43 @@ class NfsLikeFS(mfusepy.Operations):  # type: ignore[misc]  # mfusepy is untyped
 
     def chmod(self, path: str | None, mode: int, fh: int | None = None) -> None:
         self._enter(*self._paths(path, fh))
-        os.chmod(fh if fh is not None else self._real(path or "/"), stat.S_IMODE(mode))
+        if fh is not None:
+            os.chmod(fh, stat.S_IMODE(mode))
+            return
+        with self._at(path or "/") as real:
+            os.chmod(real, stat.S_IMODE(mode))
 
     def chown(self, path: str | None, uid: int, gid: int, fh: int | None = None) -> None:
         self._enter(*self._paths(path, fh))
         if fh is not None:
             os.chown(fh, uid, gid)
         else:
-            real = self._real(path or "/")
-            os.chown(real, uid, gid, follow_symlinks=is_held(real))
+            with self._at(path or "/") as real:
+                os.chown(real, uid, gid, follow_symlinks=is_held(real))
 
     def utimens(self, path: str | None, times: tuple[int | None, int | None], fh: int | None = None) -> None:
         self._enter(*self._paths(path, fh))
-        target: int | str = fh if fh is not None else self._real(path or "/")
-        follow = isinstance(target, str) and is_held(target)
+        if fh is not None:
+            os.utime(fh, ns=self._times(times, lambda: os.fstat(fh)))
+            return
+        with self._at(path or "/") as real:
+            follow = is_held(real)
+            os.utime(
+                real,
+                ns=self._times(times, lambda: os.stat(real, follow_symlinks=follow)),
+                follow_symlinks=follow,
+            )
+
+    @staticmethod
+    def _times(
+        times: tuple[int | None, int | None], current: Callable[[], os.stat_result]
+    ) -> tuple[int, int]:
         atime, mtime = times
         if atime is None or mtime is None:  # UTIME_OMIT: keep the current value
-            st = os.stat(target, follow_symlinks=follow) if isinstance(target, str) else os.fstat(target)
+            st = current()
             atime = st.st_atime_ns if atime is None else atime
             mtime = st.st_mtime_ns if mtime is None else mtime
-        if isinstance(target, str):
-            os.utime(target, ns=(atime, mtime), follow_symlinks=follow)
-        else:
-            os.utime(target, ns=(atime, mtime))
+        return atime, mtime
 
     def mknod(self, path: str, mode: int, dev: int) -> None:
         self._enter(path)
@@ -250,7 +282,8 @@ class NfsLikeFS(mfusepy.Operations):  # type: ignore[misc]  # mfusepy is untyped
 
     def link(self, target: str, source: str) -> None:
         self._enter(target, source)
-        os.link(self._real(source), self._real(target), follow_symlinks=False)
+        with self._at(source) as real_source:
+            os.link(real_source, self._real(target), follow_symlinks=is_held(real_source))
 
     def unlink(self, path: str) -> None:
         if is_hidden(path):
@@ -302,11 +335,13 @@ class NfsLikeFS(mfusepy.Operations):  # type: ignore[misc]  # mfusepy is untyped
     def open(self, path: str, flags: int) -> int:
         self._enter(path)
         pid = self._pid()
-        real = self._real(path)
         truncates = bool(flags & os.O_TRUNC)
         self._open_ops(pid, flags, truncates=truncates, creates=False)
-        key = self._existing_key(real) if truncates else None
-        with self._truncation(key, pid, "open(O_TRUNC)", path):
+        key = None
+        if truncates:
+            with self._at(path) as real:
+                key = self._existing_key(real)
+        with self._truncation(key, pid, "open(O_TRUNC)", path), self._at(path) as real:
             fd = os.open(real, flags)
         return self._register(fd, path, pid)
 
@@ -334,8 +369,9 @@ class NfsLikeFS(mfusepy.Operations):  # type: ignore[misc]  # mfusepy is untyped
             with self._truncation(handle.key, pid, "ftruncate", path or handle.path):
                 os.truncate(handle.fh, length)
             return
-        real = self._real(path or "/")
-        with self._truncation(self._existing_key(real), pid, "truncate", path or "/"):
+        with self._at(path or "/") as real:
+            key = self._existing_key(real)
+        with self._truncation(key, pid, "truncate", path or "/"), self._at(path or "/") as real:
             os.truncate(real, length)
 
     def read(self, path: str | None, size: int, offset: int, fh: int) -> bytes:

@@ -23,6 +23,7 @@ silly name, or the held inode) and the rename that follows replaces it atomicall
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import itertools
 import logging
@@ -30,6 +31,7 @@ import os
 import platform
 import threading
 import time
+from collections.abc import Iterator
 
 from safeio.testing.nfslike._handles import HandleTable, InodeKey
 
@@ -152,15 +154,24 @@ class HiddenFiles:
                 logger.debug("cannot link %s to %s (%s); renaming it", real, silly, exc)
         os.rename(real, silly)
 
-    def locate(self, hidden_path: str, real_dir: str) -> str | None:
-        """The backing location of a hidden file, or None if it is not one of ours."""
+    @contextlib.contextmanager
+    def pinned(self, hidden_path: str, real_dir: str) -> Iterator[str | None]:
+        """The backing location of a hidden file, or None if it is not one of ours (any more).
+
+        The location stays valid until the block ends: the last close's `release`, which closes
+        the held descriptor or deletes the silly name, waits for it. Without that, a reader that
+        opened the old file through a lookup made just before a rename got ENOENT (the held
+        descriptor closed between locating and opening), or, had its number been reused, another
+        file. Keep one system call in the block: every hide and release waits for it.
+        """
         with self._lock:
             entry = self._hidden.get(os.path.basename(hidden_path))
-        if entry is None:
-            return None
-        if isinstance(entry, _Held):
-            return f"{_HELD_PREFIX}{entry.fd}"
-        return os.path.join(real_dir, entry.name)
+            if entry is None:
+                yield None
+            elif isinstance(entry, _Held):
+                yield f"{_HELD_PREFIX}{entry.fd}"
+            else:
+                yield os.path.join(real_dir, entry.name)
 
     def drop(self, hidden_path: str) -> None:
         """libfuse removes a hidden file after the last close of its node.

@@ -62,11 +62,14 @@ def test_demo_on_the_nfslike_mount(shared_dir: Path) -> None:
     assert code == 0, err
     assert data["backend"] == "nfslike" and "NFS-like FUSE mount" in err
     unguarded, guarded = data["patterns"]["unguarded"], data["patterns"]["safeio"]
-    # Unguarded: every rank truncates files the others (and the reader) have open.
-    assert unguarded["hazards"] > 0, unguarded
-    assert unguarded["failed_saves"] + unguarded["failed_loads"] > 0, unguarded
+    # Unguarded: every rank truncates in place the files the others and the reader open meanwhile...
     assert unguarded["truncations"] > 0
     assert all(n > 0 for n in unguarded["writes_per_rank"]), unguarded["writes_per_rank"]
+    # ...and that fails: a truncation deadlocks behind an open file (a hazard, and the save or load
+    # stuck behind it fails) or a load reads a file mid-rewrite. Which one depends on scheduling: on
+    # a loaded machine the two ranks' saves may not overlap (no hazard) while the reader still
+    # catches a rewrite.
+    assert unguarded["failed_saves"] + unguarded["failed_loads"] > 0, unguarded
     # safeio: one writer, no truncation in place, no hazard, nothing failed.
     assert_safeio_clean(guarded)
     assert guarded["hazards"] == 0 and guarded["truncations"] == 0

@@ -57,8 +57,9 @@ def caller_is_renaming(tid: int) -> bool:
     if numbers is None:
         return False
     # The caller waits for this very request, but for a moment after a wake-up its task reads as
-    # "running" (no syscall number): ask again, briefly. Under load, taking that moment for "not a
-    # rename" removed the name before the rename and a reader got ENOENT.
+    # "running" (no syscall number): ask again, briefly. Taking that moment for "not a rename" would
+    # remove the name before the rename, and a reader would get ENOENT. (The ENOENT that tests met
+    # under load had another cause: a hidden file's location used after its release; see pinned.)
     deadline = time.monotonic() + _RUNNING_FOR_AT_MOST
     while True:
         try:

@@ -11,6 +11,7 @@ behind it) is caught and counted on its rank, and the benchmark goes on.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 import re
@@ -147,8 +148,9 @@ def run(quick: bool = False, disk: str = "/tmp") -> Result:
         },
         "errors": errors,
     }
-    _rows(result, worlds, times, ops, per_checkpoint, failed, damaged, reps)
-    _tables(result, worlds, times, ops, per_checkpoint, failed, errors)
+    figures = _Figures(worlds, reps, times, ops, per_checkpoint, failed, damaged, errors)
+    _rows(result, figures)
+    _tables(result, figures)
     return result
 
 
@@ -223,16 +225,23 @@ def _per_checkpoint(records: list[dict[str, Any]], calls: int) -> list[int]:
     return counts[1:]
 
 
-def _rows(
-    result: Result,
-    worlds: list[int],
-    times: dict[int, dict[str, list[float]]],
-    ops: dict[str, dict[int, dict[str, list[float]]]],
-    hazards: dict[int, dict[str, list[int]]],
-    failed: dict[int, dict[str, list[int]]],
-    damaged: dict[int, dict[str, list[int]]],
-    reps: int,
-) -> None:
+@dataclasses.dataclass(frozen=True)
+class _Figures:
+    """What the passes measured, keyed by world size (two: one rank, the top) and method."""
+
+    worlds: list[int]
+    reps: int
+    times: dict[int, dict[str, list[float]]]
+    ops: dict[str, dict[int, dict[str, list[float]]]]
+    hazards: dict[int, dict[str, list[int]]]  # per checkpoint
+    failed: dict[int, dict[str, list[int]]]
+    damaged: dict[int, dict[str, list[int]]]
+    errors: dict[str, list[str]]
+
+
+def _rows(result: Result, figures: _Figures) -> None:
+    worlds, reps, times, ops = figures.worlds, figures.reps, figures.times, figures.ops
+    hazards, failed, damaged = figures.hazards, figures.failed, figures.damaged
     one, top = worlds
     for method, what in (
         ("safeio", "safeio (durable, the default) against every rank writing"),
@@ -311,15 +320,9 @@ def _rows(
             )
 
 
-def _tables(
-    result: Result,
-    worlds: list[int],
-    times: dict[int, dict[str, list[float]]],
-    ops: dict[str, dict[int, dict[str, list[float]]]],
-    hazards: dict[int, dict[str, list[int]]],
-    failed: dict[int, dict[str, list[int]]],
-    errors: dict[str, list[str]],
-) -> None:
+def _tables(result: Result, figures: _Figures) -> None:
+    worlds, times, ops = figures.worlds, figures.times, figures.ops
+    hazards, failed, errors = figures.hazards, figures.failed, figures.errors
     one, top = worlds
     result.tables.append(wall_table(times, worlds, METHODS, digits=0))
     header = [

@@ -6,7 +6,9 @@ import json
 import os
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
+from threading import Event, Thread
 
 import pytest
 
@@ -331,3 +333,87 @@ def test_a_first_save_never_replaces_a_version_a_rival_promoted_meanwhile(
         assert listing(target) == [manifest.MANIFEST_NAME, "a.json"]  # replaced under the lock, whole
     assert looked == ["tok"]
     assert [n for n in listing(Path(root)) if n != ".tok.safeio.lock"] == ["tok"]
+
+
+def _pause_after(monkeypatch: pytest.MonkeyPatch, owner: type, method: str) -> tuple[Event, Event]:
+    """The first call of ``owner.method`` (in any thread) returns, then waits until ``go`` is set;
+    ``made`` says it got there. Later calls (the other thread's) run straight through."""
+    made, go = Event(), Event()
+    real = getattr(owner, method)
+
+    def paused(*args: object, **kwargs: object) -> object:
+        value = real(*args, **kwargs)
+        if not made.is_set():
+            made.set()
+            assert go.wait(60), "the test never let the paused save go on"
+        return value
+
+    monkeypatch.setattr(owner, method, paused)
+    return made, go
+
+
+def _in_thread(fn: Callable[[], None]) -> tuple[Thread, list[BaseException]]:
+    errors: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            fn()
+        except BaseException as exc:  # reported by the test, which asserts none
+            errors.append(exc)
+
+    thread = Thread(target=run, name="checkpoint-writer")
+    thread.start()
+    return thread, errors
+
+
+@pytest.mark.parametrize("first", [True, False], ids=["first-save", "over-a-version"])
+def test_a_stage_another_thread_has_just_made_is_not_a_leftover(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, first: bool
+) -> None:
+    """CI caught a background thread's save of the same target removing the stage a save in the main
+    thread had made an instant before (the stage was registered as in use only after its mkdir): the main
+    thread's save then failed with "the stage ... was moved or replaced". The stage's name is claimed
+    before the mkdir, so the other thread's recovery leaves it alone at any instant."""
+    from safeio._promotion.local import LocalPromotion
+
+    target = tmp_path / "out"
+    if not first:
+        save(target, {"config.json": "0"})
+    made, go = _pause_after(monkeypatch, LocalPromotion, "open_stage")
+    thread, errors = _in_thread(lambda: save(target, {"tokenizer.json": "tok"}, mode="merge"))
+    try:
+        assert made.wait(60)
+        stage = [n for n in listing(tmp_path) if ".safeio-stage-" in n]
+        assert len(stage) == 1
+        save(target, {"config.json": "1"}, mode="merge")  # recovers leftovers of "out" before promoting
+        assert stage[0] in listing(tmp_path)
+    finally:
+        go.set()
+        thread.join(60)
+    assert not thread.is_alive() and errors == []
+    assert listing(target) == [manifest.MANIFEST_NAME, "config.json", "tokenizer.json"]
+    assert [n for n in listing(tmp_path) if ".safeio-" in n and not n.endswith(".safeio.lock")] == []
+
+
+def test_a_checkpoint_stage_another_thread_has_just_made_is_not_a_leftover(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The same for whole checkpoints: every save of a step first recovers the root's leftovers."""
+    from safeio._checkpoints.local_steps import LocalSteps
+
+    root = tmp_path / "ckpts"
+
+    def save_step(step: int) -> None:
+        with safeio.Checkpoints(root, keep=None, timeout=60).save(step) as ckpt:
+            Path(ckpt.path, "weights.bin").write_bytes(bytes([step]) * 10)
+
+    made, go = _pause_after(monkeypatch, LocalSteps, "open_stage")
+    thread, errors = _in_thread(lambda: save_step(1))
+    try:
+        assert made.wait(60)
+        save_step(2)
+    finally:
+        go.set()
+        thread.join(60)
+    assert not thread.is_alive() and errors == []
+    assert safeio.Checkpoints(root, keep=None).steps() == [1, 2]

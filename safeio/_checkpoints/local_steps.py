@@ -19,7 +19,8 @@ from safeio._checkpoints.steps import LATEST, MEGATRON_TRACKER, StepStorage
 from safeio._errors import InvalidTargetError, TargetExistsError
 from safeio._options import SaveOptions
 from safeio._promotion.leftovers import recover_directory
-from safeio._storage import manifest
+from safeio._storage import claims, manifest
+from safeio._storage.claims import claimed
 from safeio._storage.dirfd import fsync_fd_tree, held_directory, lstat_at, open_directory
 from safeio._storage.fsops import remove_at
 from safeio._storage.locking import held, lock_path_for, make_lock
@@ -73,8 +74,14 @@ class LocalSteps(StepStorage):
                         "what it did not write): move it away, or save another step",
                         final,
                     )
-                name = sibling_name(final_name, "stage")
-                os.mkdir(name, 0o777, dir_fd=root_fd)  # the umask and a setgid root's group apply
+                # Claimed until commit() or abandon(): another thread's save here must not take it for
+                # a leftover (see safeio._storage.claims).
+                name = claims.claim(sibling_name(final_name, "stage"))
+                try:
+                    os.mkdir(name, 0o777, dir_fd=root_fd)  # the umask and a setgid root's group apply
+                except BaseException:
+                    claims.release(name)
+                    raise
                 return name
         except OSError as exc:
             raise os_failure(f"cannot open the stage of step {step} under {root}", root, exc) from exc
@@ -103,6 +110,7 @@ class LocalSteps(StepStorage):
                     if lstat_at(root_fd, final_name) is not None:
                         raise TargetExistsError(f"step {step} appeared at {final} meanwhile", final)
                     os.rename(stage_name, final_name, src_dir_fd=root_fd, dst_dir_fd=root_fd)
+                    claims.release(stage_name)  # it is the step now; a failure before this abandons it
                     if durable:
                         os.fsync(root_fd)
                     committed = self.committed()
@@ -123,9 +131,9 @@ class LocalSteps(StepStorage):
             # Renamed aside first: a reader never finds a half-deleted checkpoint under its name. As a
             # "tmp" sibling, not an "old" one: recovery restores an old version whose name is missing,
             # and a retired checkpoint killed half deleted must go, never come back as a step.
-            aside = sibling_name(entry, "tmp")
-            os.rename(entry, aside, src_dir_fd=root_fd, dst_dir_fd=root_fd)
-            remove_at(root_fd, aside, what="retired checkpoint")
+            with claimed(sibling_name(entry, "tmp")) as aside:
+                os.rename(entry, aside, src_dir_fd=root_fd, dst_dir_fd=root_fd)
+                remove_at(root_fd, aside, what="retired checkpoint")
 
     def abandon(self, stage_name: str) -> None:
         """Nothing is committed: the stage goes (the previous checkpoints and ``latest`` stay)."""
@@ -133,7 +141,9 @@ class LocalSteps(StepStorage):
             with held_directory(self.root, follow=True) as root_fd:
                 remove_at(root_fd, stage_name, what="abandoned checkpoint stage")
         except OSError:
-            pass  # left for `safeio gc` (its owner, this process, will be gone)
+            pass  # left for `safeio gc`, or for the next save's recovery once released below
+        finally:
+            claims.release(stage_name)
 
     # -- every rank ----------------------------------------------------------------------------------
 

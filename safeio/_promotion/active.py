@@ -62,11 +62,6 @@ def pop(entry: ActiveStage) -> None:
             _active.remove(entry)
 
 
-def is_active_stage(path: str) -> bool:
-    with _lock:
-        return any(entry.stage == path for entry in _active)
-
-
 def inside_stage(path: str) -> bool:
     """Whether ``path`` is an active stage of this process or lies inside one (safeio.audit exempts it)."""
     # No lock: an audit hook must never block (it runs inside every open of the process), and copying

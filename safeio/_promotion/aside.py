@@ -15,6 +15,7 @@ from typing import Any
 
 from safeio._promotion.local import LocalPromotion
 from safeio._promotion.recovery import Action, Leftover
+from safeio._storage.claims import claimed
 from safeio._storage.dirfd import is_component, lstat_at
 from safeio._storage.fsops import remove_at
 from safeio._storage.names import sibling_name, truncated_base
@@ -36,17 +37,17 @@ class RenameAside(LocalPromotion):
     def _swap(self) -> None:
         """Put the stage in the target's place; the old version is removed afterwards."""
         fd, name = self.parent_fd, self.name
-        aside = sibling_name(name, "old")
-        os.rename(name, aside, src_dir_fd=fd, dst_dir_fd=fd)
-        try:
-            os.rename(self.stage_name, name, src_dir_fd=fd, dst_dir_fd=fd)
-        except BaseException:
-            os.rename(aside, name, src_dir_fd=fd, dst_dir_fd=fd)  # put the old version back first
-            raise
-        if self.options.durable:
-            os.fsync(fd)
-            self.parent_changed = False  # synced here; removing the old version need not last
-        self.remove_old_version(aside)
+        with claimed(sibling_name(name, "old")) as aside:
+            os.rename(name, aside, src_dir_fd=fd, dst_dir_fd=fd)
+            try:
+                os.rename(self.stage_name, name, src_dir_fd=fd, dst_dir_fd=fd)
+            except BaseException:
+                os.rename(aside, name, src_dir_fd=fd, dst_dir_fd=fd)  # put the old version back first
+                raise
+            if self.options.durable:
+                os.fsync(fd)
+                self.parent_changed = False  # synced here; removing the old version need not last
+            self.remove_old_version(aside)
 
     @staticmethod
     def recover(leftover: Leftover, target_name: str | None, *, dry_run: bool, durable: bool) -> Action:

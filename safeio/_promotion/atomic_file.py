@@ -19,6 +19,7 @@ from typing import IO, Any
 from safeio._boundary import attach_cleanup_error, mapped, os_failure
 from safeio._errors import InvalidTargetError, SafeIOError, TargetExistsError
 from safeio._promotion.base import PhaseHook
+from safeio._storage import claims
 from safeio._storage.dirfd import lstat_at
 from safeio._storage.location import Location
 from safeio._storage.names import sibling_name
@@ -91,7 +92,7 @@ class AtomicFile(FilePromotion):
         if self.exclusive and st is not None:
             self._close()
             raise TargetExistsError(f"{target} already exists and exclusive creation was asked", target)
-        self._name = sibling_name(name, "tmp")
+        self._name = claims.claim(sibling_name(name, "tmp"))  # released by _close()
         flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
         try:
             self._fd = os.open(self._name, flags, 0o666, dir_fd=self._parent_fd)
@@ -177,6 +178,7 @@ class AtomicFile(FilePromotion):
             self._close()
 
     def _close(self) -> None:
+        claims.release(self._name)  # renamed into place, removed, or a leftover for recovery
         fd, parent_fd = self._fd, self._parent_fd
         self._fd = self._parent_fd = -1
         self._file = None

@@ -16,11 +16,11 @@ import os
 import time
 
 from safeio._errors import SafeIOError
-from safeio._promotion import active
 from safeio._promotion.aside import RenameAside
 from safeio._promotion.merge import Merge
 from safeio._promotion.recovery import Action, Leftover
 from safeio._promotion.versioned import prune, versioned_targets
+from safeio._storage import claims
 from safeio._storage.dirfd import held_directory, lstat_at
 from safeio._storage.fsops import remove_at
 from safeio._storage.names import Sibling, host_tag, may_have_siblings, parse
@@ -38,8 +38,9 @@ def staleness(
     alive = sibling.owner_is_alive()
     if alive and sibling.pid == os.getpid() and sibling.host == host_tag():
         # Our own: stale unless a save in this process is using it right now (an aside left behind by
-        # an earlier save because NFS silly-renamed files kept it, say).
-        if active.is_active_stage(os.path.join(parent, sibling.name)):
+        # an earlier save because NFS silly-renamed files kept it, say). Writers claim a name before they
+        # create it, so a stage another thread has just made is never judged in the gap.
+        if claims.is_claimed(sibling.name):
             return False, "a save in this process is using it"
         alive = False
     if alive:

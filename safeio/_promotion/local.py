@@ -27,7 +27,7 @@ from safeio._boundary import NOT_A_DIRECTORY, os_failure
 from safeio._errors import InvalidTargetError, PromotionError, TargetExistsError
 from safeio._options import SaveOptions
 from safeio._promotion.base import Promotion
-from safeio._storage import manifest
+from safeio._storage import claims, manifest
 from safeio._storage.dirfd import fsync_fd_tree, held_directory, identity, lstat_at, open_directory
 from safeio._storage.fsops import remove_at
 from safeio._storage.location import Location
@@ -148,7 +148,7 @@ class LocalPromotion(Promotion):
                     parent,
                 ) from exc
             raise os_failure(f"cannot create the parent directory {parent}", parent, exc) from exc
-        self.stage_name = sibling_name(self.name, "stage")
+        self.stage_name = claims.claim(sibling_name(self.name, "stage"))  # released by close()
         try:
             # The umask applies, as for any mkdir (mkdtemp would force 0700); a setgid parent's group too.
             os.mkdir(self.stage_name, 0o777, dir_fd=self.parent_fd)
@@ -179,6 +179,8 @@ class LocalPromotion(Promotion):
             )
 
     def close(self) -> None:
+        # The stage is promoted, removed, or (a failed cleanup) a leftover for the next save's recovery.
+        claims.release(self.stage_name)
         for attribute in ("stage_fd", "parent_fd"):
             fd = getattr(self, attribute)
             if fd >= 0:

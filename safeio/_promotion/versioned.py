@@ -22,6 +22,7 @@ from safeio._options import version_grace
 from safeio._promotion.local import LocalPromotion
 from safeio._promotion.recovery import Action, tree_size
 from safeio._storage import manifest
+from safeio._storage.claims import claimed
 from safeio._storage.dirfd import lstat_at, open_directory, open_relative_directory, walk_files
 from safeio._storage.fsops import remove_at
 from safeio._storage.metadata import Damaged, load_manifest
@@ -57,9 +58,9 @@ class Versioned(LocalPromotion):
             # First versioned save over a plain directory: it becomes a version too (the name is missing
             # for an instant this once; every later save swaps a symlink).
             os.rename(name, sibling_name(name, "v"), src_dir_fd=pfd, dst_dir_fd=pfd)
-        link = sibling_name(name, "link")
-        os.symlink(version_name, link, dir_fd=pfd)
-        os.replace(link, name, src_dir_fd=pfd, dst_dir_fd=pfd)
+        with claimed(sibling_name(name, "link")) as link:
+            os.symlink(version_name, link, dir_fd=pfd)
+            os.replace(link, name, src_dir_fd=pfd, dst_dir_fd=pfd)
         if self.options.durable:
             os.fsync(pfd)
         self.phase("cleanup")

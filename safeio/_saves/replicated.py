@@ -189,7 +189,7 @@ class ReplicatedSave:
             else:
                 self._exit_peer(stage, self._channel, exc)
         finally:
-            # Only now: until the stage is promoted or discarded, recovery must see it as in use.
+            # Saves nested in the body wrote into the stage; it is promoted or discarded by now.
             if self._entry is not None:
                 active.pop(self._entry)
             if self._watchdog is not None:

@@ -23,6 +23,7 @@ from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
 from lightning.pytorch.callbacks import ModelCheckpoint
 
 from safeio._saves.atomic import atomic_open
+from safeio._storage.claims import claimed
 from safeio._storage.dirfd import held_directory, lstat_at
 from safeio._storage.fsops import remove_at
 from safeio._storage.location import resolve
@@ -73,9 +74,9 @@ class SafeCheckpointIO(TorchCheckpointIO):
             else:
                 # Renamed aside first: a reader (a resume, an evaluation job) never opens a half-removed
                 # checkpoint under its name; what a crash leaves is a leftover `safeio gc` removes.
-                aside = sibling_name(name, "tmp")
-                os.rename(name, aside, src_dir_fd=parent_fd, dst_dir_fd=parent_fd)
-                remove_at(parent_fd, aside, what="removed checkpoint")
+                with claimed(sibling_name(name, "tmp")) as aside:
+                    os.rename(name, aside, src_dir_fd=parent_fd, dst_dir_fd=parent_fd)
+                    remove_at(parent_fd, aside, what="removed checkpoint")
             if self.durable:
                 os.fsync(parent_fd)
 
@@ -88,9 +89,11 @@ class SafeModelCheckpoint(ModelCheckpoint):
         if trainer.is_global_zero and os.path.abspath(filepath) != os.path.abspath(linkpath):
             parent = os.path.dirname(os.path.abspath(linkpath))
             name = os.path.basename(linkpath)
-            temporary = sibling_name(name, "tmp")
             # Through the directory's handle: nothing planted in the shared directory is followed.
-            with held_directory(parent, follow=True) as parent_fd:
+            with (
+                held_directory(parent, follow=True) as parent_fd,
+                claimed(sibling_name(name, "tmp")) as temporary,
+            ):
                 os.symlink(os.path.relpath(filepath, parent), temporary, dir_fd=parent_fd)
                 try:
                     # Readers see the old link or the new one, never none.

@@ -113,7 +113,7 @@ def _real(world: int, reps: int, disk: str) -> dict[str, Any]:
 
 
 class _PerThreadCounters:
-    """Stands in for ``safeio._coordination.channel._counters`` in a worker process: each peer thread
+    """Stands in for ``safeio._coordination.calls._counters`` in a worker process: each peer thread
     numbers its saves as a process of its own would (the module's dict is per process)."""
 
     def __init__(self) -> None:
@@ -214,10 +214,10 @@ def _peers_main(
     spans: dict[int, list[list[float]]] = {r: [] for r in ranks}
     try:
         import safeio
-        from safeio._coordination import channel
+        from safeio._coordination import calls
         from safeio.testing.hf_objects import fast_tokenizer
 
-        channel._counters = _PerThreadCounters()  # type: ignore[assignment]
+        calls._counters = _PerThreadCounters()  # type: ignore[assignment]
         probe = _instrument_visibility()
         tok = fast_tokenizer()
         control = _client(control_port)

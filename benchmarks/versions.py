@@ -1,11 +1,14 @@
-"""One ordinary save, this checkout against an earlier commit, side by side in one run.
+"""One ordinary save and one checkpoint, this checkout against an earlier commit, side by side in one run.
 
 ``python -m benchmarks.versions --base REV [--rounds N]`` checks REV out into a temporary git worktree,
 starts one worker process per version (each imports its own ``safeio``), and interleaves them: every
 round each worker times a batch of saves of every kind, alternating which goes first, so machine noise
 falls on both. It prints the median ratio (this checkout / REV) per kind, with its min-max over rounds.
 
-Used for "an ordinary save must not get slower by more than 5%" (issue 13) and for fixed-cost work.
+Used for "an ordinary save must not get slower by more than 5%" (issue 13), for fixed-cost work, and for
+"Checkpoints.save within noise" when the checkpoint layer moved onto the core (issue 22): a
+``checkpoint-*`` kind is one process committing a step of a 1 MB file and a replicated directory, with
+retention of the third-newest.
 """
 
 from __future__ import annotations
@@ -30,11 +33,25 @@ import safeio
 print(safeio.__file__, flush=True)  # which checkout this worker really imported
 payload = os.urandom(1 << 20)
 counter = 0
+checkpoints = {}
+
+def checkpoint(durable, root):
+    ckpts = checkpoints.get((durable, root))
+    if ckpts is None:
+        ckpts = checkpoints[durable, root] = safeio.Checkpoints(root, keep=3, durable=durable)
+    start = time.perf_counter()
+    with ckpts.save(counter) as ckpt:
+        pathlib.Path(ckpt.path, "model.bin").write_bytes(payload)
+        with safeio.replicated(os.path.join(ckpt.path, "tokenizer")) as stage:
+            pathlib.Path(stage.path, "config.json").write_text(json.dumps({"n": counter}))
+    return time.perf_counter() - start
 
 def one(kind, root):
     global counter
     counter += 1
     mode, durable = kind.split("-")
+    if mode == "checkpoint":
+        return checkpoint(durable == "durable", root)
     target = pathlib.Path(root, f"t-{mode}")
     start = time.perf_counter()
     with safeio.replicated(target, mode=mode, durable=durable == "durable") as stage:
@@ -48,7 +65,14 @@ for line in sys.stdin:
     print(statistics.median(times), flush=True)
 """
 
-KINDS = ("replace-durable", "replace-fast", "merge-durable", "merge-fast")
+KINDS = (
+    "replace-durable",
+    "replace-fast",
+    "merge-durable",
+    "merge-fast",
+    "checkpoint-durable",
+    "checkpoint-fast",
+)
 
 
 def _worktree(rev: str, into: Path) -> Path:

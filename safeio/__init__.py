@@ -41,9 +41,9 @@ from safeio._errors import (
 from safeio._saves.atomic import atomic_open
 from safeio._saves.hf import save_pretrained
 from safeio._saves.hf_patch import patch_save_pretrained
+from safeio._saves.reading import is_complete, snapshot, verify
 from safeio._saves.replicated import Stage, replicated
 from safeio._saves.torch import torch_save
-from safeio._storage.readers import is_complete, snapshot, verify
 
 __version__ = "0.1.0"
 

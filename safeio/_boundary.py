@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import re
+import sys
 from collections.abc import Iterator
 
 from safeio._errors import InvalidTargetError, LockTimeout, PromotionError, SafeIOError
@@ -92,3 +93,17 @@ def attach_cleanup_error(primary: BaseException, cleanup: BaseException) -> None
         primary.__context__ = cleanup
     if hasattr(primary, "add_note"):
         primary.add_note(f"safeio: cleanup after this error also failed: {cleanup!r}")
+
+
+def store_timed_out(error: BaseException) -> bool:
+    """Whether a failed ``store.wait`` only ran out of time (the key is not set yet), rather than the
+    store being unreachable (c10d's DistNetworkError: rank 0, its host, has exited or is cut off).
+    torch is looked up, never imported: a group with a store means torch.distributed is loaded."""
+    if isinstance(error, TimeoutError):
+        return True
+    dist = sys.modules.get("torch.distributed")
+    network_error = getattr(dist, "DistNetworkError", None)
+    if network_error is not None and isinstance(error, network_error):
+        return False
+    store_error = getattr(dist, "DistStoreError", None)
+    return store_error is not None and isinstance(error, store_error)

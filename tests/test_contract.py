@@ -1,7 +1,10 @@
 """The contract every back end keeps, one test body run over all of them (like filelock's lock types).
 
-Back ends: local disk, tmpfs (/dev/shm), the NFS-like FUSE mount, fsspec's ``memory://`` and S3 on a
-moto server on loopback. Each test states one promise of the public API and checks it on each.
+Back ends: local disk, tmpfs (/dev/shm), the NFS-like FUSE mount, fsspec's ``memory://``, S3 on a moto
+server on loopback, and ``markerdir://``, a back end defined only in the tests (``tests/_marker_backend.py``:
+a local directory that refuses directory renames, committed by a marker) to prove that a new kind of
+location plugs in by its own classes alone. Each test states one promise of the public API and checks it
+on each.
 """
 
 from __future__ import annotations
@@ -12,6 +15,7 @@ import shutil
 import tempfile
 from collections.abc import Iterator
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import fsspec
@@ -19,8 +23,9 @@ import pytest
 
 import safeio
 from safeio.testing.nfslike import Mount
+from tests._marker_backend import PROTOCOL as MARKERDIR
 
-BACKENDS = ["local", "tmpfs", "nfslike", "memory", "s3"]
+BACKENDS = ["local", "tmpfs", "nfslike", "memory", "s3", MARKERDIR]
 
 
 @dataclass
@@ -65,6 +70,9 @@ def backend(request: pytest.FixtureRequest) -> Iterator[Backend]:
     elif kind == "nfslike":
         mount: Mount = request.getfixturevalue("nfslike_mount")
         yield Backend(kind, str(mount.path), fsspec.filesystem("file"))
+    elif kind == MARKERDIR:
+        for path in _local_dir("/tmp"):
+            yield Backend(kind, f"{MARKERDIR}://{path}", fsspec.filesystem(MARKERDIR))
     elif kind == "memory":
         base = f"memory://contract-{secrets.token_hex(4)}"
         fs = fsspec.filesystem("memory")
@@ -167,3 +175,22 @@ def test_bad_timeouts_fail_before_the_body_naming_the_argument(backend: Backend,
     with pytest.raises(safeio.InvalidOptionError, match="timeout"):
         safeio.torch_save({}, backend.target("x.pt"), timeout=bad)  # type: ignore[arg-type]
     assert not backend.exists(target)
+
+
+def test_checkpoints_commit_retain_and_find_the_newest(backend: Backend) -> None:
+    root = backend.target("run")
+    ckpts = safeio.Checkpoints(root, keep=2, timeout=60)
+    for step in (1, 2, 3):
+        with ckpts.save(step) as ckpt:
+            with fsspec.open(f"{ckpt.path}/weights.bin", "wb") as f:  # a sharded writer: the stage
+                f.write(bytes([step]) * 8)
+            with safeio.replicated(f"{ckpt.path}/tokenizer", timeout=60) as stage:  # written once
+                Path(stage.path, "tokenizer.json").write_text(f"v{step}")
+    assert ckpts.steps() == [2, 3]
+    latest = ckpts.latest()
+    assert latest is not None and latest.step == 3
+    assert backend.read(latest.path, "weights.bin") == bytes([3]) * 8
+    assert backend.read(latest.path, "tokenizer/tokenizer.json") == b"v3"
+    assert backend.read(root, "latest") == b"step_3"
+    assert safeio.verify(latest.path) == []
+    assert not backend.exists(f"{root}/step_1")

@@ -283,13 +283,13 @@ def test_the_manifest_remembers_the_recent_saves_it_holds(shared_dir: Path) -> N
     """A peer whose store has gone finds its save in the manifest although later saves came after it."""
     import json
 
-    from safeio._storage.manifest import KEEP_CALLS, MANIFEST_NAME
+    from safeio._storage.manifest import CALLS_RECORDED, MANIFEST_NAME
 
     target = shared_dir / "out"
-    for i in range(KEEP_CALLS + 5):
+    for i in range(CALLS_RECORDED + 5):
         with safeio.replicated(target, mode="merge") as stage:
             Path(stage.path, f"f{i % 3}").write_text(str(i))
     record = json.loads((target / MANIFEST_NAME).read_text())
-    assert len(record["calls"]) == KEEP_CALLS
+    assert len(record["calls"]) == CALLS_RECORDED
     assert record["calls"][-1]["call"] == record["call"]
-    assert len({c["call"] for c in record["calls"]}) == KEEP_CALLS
+    assert len({c["call"] for c in record["calls"]}) == CALLS_RECORDED

@@ -137,3 +137,84 @@ def test_the_layer_check_can_fail() -> None:
     # The checks above are only worth something if they see imports: a known edge must be found.
     assert "safeio._promotion.base" in _graph()["safeio._promotion.local"]
     assert _layer("safeio._saves.replicated") > _layer("safeio._promotion.resolver")
+
+
+# Where the kind of a location is decided: the resolver of paths and URLs, and the back ends. Everything
+# else asks its back end (fsspec's one filesystem object per protocol, asked, never tested for its kind).
+BACKEND_MODULES = {"safeio._storage.location", "safeio._promotion.backends"}
+_KIND_CLASSES = {"LocalReader", "ObjectStoreReader", "PosixBackend", "ObjectStoreBackend", "LocalFileSystem"}
+
+
+def _kind_branches(tree: ast.AST) -> list[str]:
+    """``x.is_local``, ``x.fs is (not) None``, ``isinstance(x, <a back end's class>)``."""
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute) and node.attr == "is_local":
+            found.append(f"line {node.lineno}: .is_local")
+        elif isinstance(node, ast.Compare) and any(isinstance(op, (ast.Is, ast.IsNot)) for op in node.ops):
+            operands = [node.left, *node.comparators]
+            tests_fs = any(isinstance(o, ast.Attribute) and o.attr == "fs" for o in operands)
+            tests_none = any(isinstance(o, ast.Constant) and o.value is None for o in operands)
+            if tests_fs and tests_none:
+                found.append(f"line {node.lineno}: .fs is None")
+        elif isinstance(node, ast.Call) and getattr(node.func, "id", None) == "isinstance":
+            names = (
+                {n.id for n in ast.walk(node.args[1]) if isinstance(n, ast.Name)} if node.args[1:] else set()
+            )
+            if names & _KIND_CLASSES:
+                found.append(f"line {node.lineno}: isinstance(..., {sorted(names & _KIND_CLASSES)})")
+    return found
+
+
+def test_only_the_back_ends_branch_on_the_kind_of_location() -> None:
+    branches = {
+        _module_name(path): found
+        for path in PACKAGE.rglob("*.py")
+        if "testing" not in path.parts and _module_name(path) not in BACKEND_MODULES
+        if (found := _kind_branches(ast.parse(path.read_text())))
+    }
+    assert branches == {}
+
+
+def test_the_kind_check_can_fail() -> None:
+    code = "if location.is_local: pass\nif backend.location.fs is None: pass\nisinstance(r, LocalReader)\n"
+    assert len(_kind_branches(ast.parse(code))) == 3
+    backends = PACKAGE / "_promotion" / "backends.py"
+    assert _kind_branches(ast.parse(backends.read_text()))  # the one place that does branch
+
+
+def _store_uses(tree: ast.AST) -> list[str]:
+    """Every ``<something>.store`` (the group's key-value store) and every ``store.<method>`` call."""
+    methods = {"set", "get", "add", "wait", "check", "delete_key", "compare_set", "num_keys"}
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute) and node.attr == "store":
+            found.append(f"line {node.lineno}: .store")
+        elif (
+            isinstance(node, ast.Attribute)
+            and node.attr in methods
+            and isinstance(node.value, ast.Name)
+            and node.value.id == "store"
+        ):
+            found.append(f"line {node.lineno}: store.{node.attr}")
+    return found
+
+
+def test_only_coordination_talks_to_the_store() -> None:
+    uses = {
+        _module_name(path): found
+        for path in PACKAGE.rglob("*.py")
+        if "testing" not in path.parts and not _module_name(path).startswith("safeio._coordination")
+        if (found := _store_uses(ast.parse(path.read_text())))
+    }
+    assert uses == {}
+    assert _store_uses(ast.parse((PACKAGE / "_coordination" / "calls.py").read_text()))  # it can fail
+
+
+def test_no_two_classes_share_a_name() -> None:
+    where: dict[str, list[str]] = {}
+    for path in PACKAGE.rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ClassDef):
+                where.setdefault(node.name, []).append(_module_name(path))
+    assert {name: modules for name, modules in where.items() if len(modules) > 1} == {}

@@ -399,7 +399,7 @@ def test_a_checkpoint_stage_another_thread_has_just_made_is_not_a_leftover(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The same for whole checkpoints: every save of a step first recovers the root's leftovers."""
-    from safeio._checkpoints.local_steps import LocalSteps
+    from safeio._promotion.step_directories import StepRename
 
     root = tmp_path / "ckpts"
 
@@ -407,7 +407,7 @@ def test_a_checkpoint_stage_another_thread_has_just_made_is_not_a_leftover(
         with safeio.Checkpoints(root, keep=None, timeout=60).save(step) as ckpt:
             Path(ckpt.path, "weights.bin").write_bytes(bytes([step]) * 10)
 
-    made, go = _pause_after(monkeypatch, LocalSteps, "open_stage")
+    made, go = _pause_after(monkeypatch, StepRename, "open_stage")
     thread, errors = _in_thread(lambda: save_step(1))
     try:
         assert made.wait(60)

@@ -150,11 +150,9 @@ class _Collect(logging.Handler):
 def _hang_in_body(rank: int, world: int, target: str, timeout: float, release: Any) -> dict[str, Any]:
     from torch.distributed import distributed_c10d as c10d
 
-    import safeio._coordination.channel
+    import safeio._coordination.calls
 
-    safeio._coordination.channel._LOG_EVERY = (
-        0.5  # the waiting ranks' progress line, every 30 s in production
-    )
+    safeio._coordination.calls.SLICE = 0.5  # the waiting ranks' progress line, every 30 s in production
     log = _Collect()
     logger = logging.getLogger("safeio")
     logger.addHandler(log)

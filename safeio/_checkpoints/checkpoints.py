@@ -12,33 +12,34 @@ never reported; then nothing is committed and ``latest`` is unchanged.
 ``latest()``/``steps()`` are resolved by the writer and published, so ranks whose NFS caches disagree
 still get one answer, each returning once that step is visible from it.
 
-Where the steps live is one class per storage behaviour: ``LocalSteps`` (POSIX: a stage directory and a
-rename) and ``ObjectSteps`` (object stores: in place under the step's prefix, committed by its marker).
+Where the steps live is the root's back end's business (``safeio._promotion.backends``): its step storage
+makes the commit, a promotion through the same flow as any directory save (``LocalSteps``: a stage
+directory and a rename; ``ObjectSteps``: in place under the step's prefix, committed by its marker).
 With ``dcp.async_save``, ``ckpt.commit_after(future)`` moves the commit to a background thread that runs
 once the future completes (see ``PendingCommit``).
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import tempfile
 import time
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from types import TracebackType
 from typing import Any
 
-from safeio._checkpoints.exchange import Exchange, StoreGone
-from safeio._checkpoints.local_steps import LocalSteps
-from safeio._checkpoints.naming import StepNames, check_step
-from safeio._checkpoints.object_steps import ObjectSteps
-from safeio._checkpoints.pending import PendingCommit
-from safeio._checkpoints.steps import LATEST, MEGATRON_TRACKER, StepStorage
+from safeio._checkpoints.pending import PendingCommit, check_future
+from safeio._coordination.calls import StoreGone, poll_until
+from safeio._coordination.checkpoint_call import CheckpointCall
 from safeio._coordination.group import Group, resolve_group
 from safeio._errors import CheckpointError, InvalidOptionError, PeerTimeout
 from safeio._options import SaveOptions
 from safeio._promotion import active
-from safeio._storage.location import resolve
+from safeio._promotion.backends import backend_for
+from safeio._promotion.steps import LATEST, MEGATRON_TRACKER, StepNames, StepPromotion, check_step
 
 __all__ = ["LATEST", "MEGATRON_TRACKER", "Checkpoint", "CheckpointStage", "Checkpoints"]
 
@@ -66,7 +67,7 @@ class CheckpointStage:
         thread once this rank's future is done; ``latest`` and retention move only then. The next
         ``save``, ``latest()`` or ``steps()`` first waits for it, and raises if it failed; call
         ``ckpts.wait()`` before the job ends."""
-        self._save.future = future
+        self._save.commit_after(future)
 
 
 class Checkpoints:
@@ -82,19 +83,16 @@ class Checkpoints:
         group: Any = None,
         timeout: float | None = None,
         durable: bool = True,
+        lock: bool | str = "auto",
         megatron_tracker: bool = False,
     ) -> None:
-        location = resolve(root)
+        backend = backend_for(root)
         if keep is not None and (isinstance(keep, bool) or not isinstance(keep, int) or keep < 1):
             raise InvalidOptionError(f"keep must be a number of checkpoints >= 1 or None, got {keep!r}", root)
-        names = StepNames(name, location.url())
-        self.options = SaveOptions.of(timeout=timeout, durable=durable)
-        self.storage: StepStorage
-        if location.is_local:
-            self.storage = LocalSteps(location.path, names, self.options, keep, megatron_tracker)
-        else:
-            self.storage = ObjectSteps(location, names, self.options, keep, megatron_tracker)
-        self.root = self.storage.root_url
+        names = StepNames(name, backend.url())
+        self.options = SaveOptions.of(timeout=timeout, durable=durable, lock=lock)
+        self._steps = backend.steps(names, self.options, keep=keep, megatron_tracker=megatron_tracker)
+        self.root = self._steps.root_url
         self.keep = keep
         self.names = names
         self._group_arg = group
@@ -103,8 +101,11 @@ class Checkpoints:
     def group(self) -> Group:
         return resolve_group(self._group_arg)
 
-    def save(self, step: int) -> CheckpointSave:
-        return CheckpointSave(self, check_step(step, self.root))
+    def save(self, step: int, *, protect: Iterable[str] = ()) -> CheckpointSave:
+        """``with ckpts.save(step) as ckpt`` on every rank. Retention after this commit never removes a
+        checkpoint named in ``protect`` (directory names or paths: e.g. a Trainer's best model)."""
+        protected = [os.path.basename(os.fspath(p).rstrip("/")) for p in protect]
+        return CheckpointSave(self, check_step(step, self.root), protected)
 
     def wait(self) -> None:
         """Wait for the commit of an async save (``ckpt.commit_after``); raise if it failed. Every rank
@@ -113,11 +114,20 @@ class Checkpoints:
         if pending is not None:
             pending.wait()
 
+    def _commit_later(self, pending: PendingCommit) -> None:
+        """An async save's commit now runs on its own thread; the next collective call waits for it."""
+        self._pending = pending
+
     # -- finding checkpoints -------------------------------------------------------------------------
 
     def committed(self) -> list[tuple[int, str]]:
-        """(step, name) of every committed checkpoint, as this process sees the root (ascending)."""
-        return self.storage.committed()
+        """(step, name) of every committed checkpoint, as this process sees the root (ascending). Not
+        collective: each process reads the root itself."""
+        return self._steps.committed()
+
+    def path_of(self, name: str) -> str:
+        """Where the step directory ``name`` is (a path, or a URL on object stores)."""
+        return self._steps.url(name)
 
     def latest(self) -> Checkpoint | None:
         """The newest committed checkpoint, the same on every rank, visible from each when it returns."""
@@ -126,23 +136,23 @@ class Checkpoints:
         if not committed:
             return None
         step, entry = committed[0]
-        return Checkpoint(step, self.storage.url(entry))
+        return Checkpoint(step, self._steps.url(entry))
 
     def steps(self) -> list[int]:
         """Every committed step, ascending, the same on every rank."""
         self.wait()
         return [step for step, _ in self._agree("steps()", self.committed)]
 
-    def _agree(self, what: str, resolve_here: Any) -> list[tuple[int, str]]:
+    def _agree(self, what: str, resolve_here: Callable[[], list[tuple[int, str]]]) -> list[tuple[int, str]]:
         group = self.group()
-        exchange = Exchange(group, self.root, what)
+        call = CheckpointCall(group, self.root, what)
         deadline = time.monotonic() + self.options.timeout
         if group.is_writer:
             found = [(int(s), str(n)) for s, n in resolve_here()]
-            exchange.decide({"ok": True, "found": found})
-        elif exchange.shared:
+            call.decide({"ok": True, "found": found})
+        elif call.shared:
             try:
-                heard = exchange.hear_outcome(deadline).get("found", [])
+                heard = call.hear_outcome(deadline).get("found", [])
             except StoreGone:
                 # Rank 0, the store's host, answered and finished (the end of a run): the filesystem
                 # is all that is left to ask.
@@ -151,21 +161,37 @@ class Checkpoints:
         else:
             found = [(int(s), str(n)) for s, n in resolve_here()]
         for _, entry in found:
-            self.storage.wait_committed(entry, deadline, group.rank, what)
+            self._wait_visible(entry, deadline, group.rank, what, stage=False)
         return found
+
+    def _wait_visible(self, name: str, deadline: float, rank: int, what: str, *, stage: bool) -> None:
+        """Return once step (or stage) ``name`` is visible from this rank; bounded. NFS clients cache
+        directory entries and attributes: a rank on another client may not see it for a while after
+        the writer made it."""
+        path = self._steps.url(name)
+        visible = self._steps.stage_visible if stage else self._steps.step_visible
+        poll_until(
+            lambda: visible(name),
+            deadline,
+            expired=lambda: PeerTimeout(
+                f"rank {rank}: {what} at {path} is still not visible from this rank", path
+            ),
+        )
 
 
 class CheckpointSave:
     """``with ckpts.save(step) as ckpt``: see the module's docstring."""
 
-    def __init__(self, checkpoints: Checkpoints, step: int) -> None:
+    def __init__(self, checkpoints: Checkpoints, step: int, protect: list[str]) -> None:
         self.ckpts = checkpoints
-        self.storage = checkpoints.storage
         self.step = step
+        self.protect = protect
         self.final_name = checkpoints.names.format(step)
-        self.final = self.storage.url(self.final_name)
+        self.final = checkpoints.path_of(self.final_name)
         self.stage_name = ""
-        self.future: Any = None  # set by CheckpointStage.commit_after
+        self._future: Any = None
+        self._promotion: StepPromotion | None = None
+        self._stage = ""
         self._scratch: str | None = None
         self._entry: active.ActiveStage | None = None
 
@@ -173,20 +199,27 @@ class CheckpointSave:
     def timeout(self) -> float:
         return self.ckpts.options.timeout
 
+    def commit_after(self, future: Any) -> None:
+        check_future(future)
+        self._future = future
+
     def __enter__(self) -> CheckpointStage:
         self.ckpts.wait()  # the previous async save's commit comes first
+        steps = self.ckpts._steps
         group = self.group = self.ckpts.group()
-        exchange = self.exchange = Exchange(group, self.ckpts.root, f"save of step {self.step}")
+        call = self.call = CheckpointCall(group, self.ckpts.root, f"save of step {self.step}")
         deadline = time.monotonic() + self.timeout
         if group.is_writer:
             try:
-                self.stage_name = self.storage.open_stage(self.step, self.final_name)
+                self._promotion = steps.promotion(self.step, rank=group.rank, protect=self.protect)
+                self._stage = self._promotion.open_stage()
+                self.stage_name = self._promotion.stage_name
             except BaseException as exc:
-                exchange.announce({"ok": False, "error": f"{type(exc).__name__}: {exc}"})
+                call.announce({"ok": False, "error": f"{type(exc).__name__}: {exc}"})
                 raise
-            exchange.announce({"ok": True, "stage": self.stage_name})
+            call.announce({"ok": True, "stage": self.stage_name})
         else:
-            heard = exchange.hear_announcement(deadline)
+            heard = call.hear_announcement(deadline)
             if not (isinstance(heard, dict) and heard.get("ok") and isinstance(heard.get("stage"), str)):
                 error = heard.get("error") if isinstance(heard, dict) else "no stage"
                 raise CheckpointError(
@@ -198,14 +231,14 @@ class CheckpointSave:
             self.stage_name = heard["stage"]
             try:
                 what = f"the stage of step {self.step}"
-                self.storage.wait_stage(self.stage_name, deadline, group.rank, what)
+                self.ckpts._wait_visible(self.stage_name, deadline, group.rank, what, stage=True)
             except PeerTimeout:
-                decided = exchange.outcome_if_decided()  # the writer failed and removed it already?
+                decided = call.outcome_if_decided()  # the writer failed and removed it already?
                 if decided is None or decided.get("ok"):
                     raise
                 raise _failure(decided, group.rank, self.step, self.final) from None
-        stage = self.storage.url(self.stage_name)
-        if not (group.is_writer and self.storage.in_place_replicated):
+        stage = steps.url(self.stage_name)
+        if not (group.is_writer and steps.in_place_replicated):
             self._scratch = tempfile.mkdtemp(prefix="safeio-ckpt-")
         # Replicated saves made inside the body (save_pretrained, torch_save) write once: the writer's
         # into the stage (on object stores: into scratch, uploaded at the commit), the other ranks' into
@@ -219,11 +252,11 @@ class CheckpointSave:
     ) -> None:
         assert self._entry is not None, "__exit__ without __enter__"
         active.pop(self._entry)
-        if exc is None and self.future is not None:
-            self.exchange.group = self.group = self.group.for_another_thread()
-            self.ckpts._pending = PendingCommit(
-                self.future, self._finish, self.timeout, f"step {self.step} of {self.ckpts.root}"
-            )
+        if exc is None and self._future is not None:
+            self.group = self.group.for_another_thread()
+            self.call = self.call.on_group(self.group)
+            what = f"step {self.step} of {self.ckpts.root}"
+            self.ckpts._commit_later(PendingCommit(self._future, self._finish, self.timeout, what))
             return
         self._finish(exc)
 
@@ -242,52 +275,62 @@ class CheckpointSave:
 
     def _exit_peer(self, exc: BaseException | None) -> None:
         error = None if exc is None else f"{type(exc).__name__}: {exc}"
-        self.exchange.report({"ok": exc is None, "error": error})
+        self.call.report({"ok": exc is None, "error": error})
         if exc is not None:
             return  # this rank's own error propagates; the writer names it to the others
         # The writer may itself wait up to the timeout for the slowest rank's report before it decides.
         deadline = time.monotonic() + 2 * self.timeout
         rank, what = self.group.rank, f"step {self.step}"
         try:
-            outcome = self.exchange.hear_outcome(deadline)
+            outcome = self.call.hear_outcome(deadline)
         except StoreGone as gone:
             # The writer decided and its process (the store's host) finished: a committed step on disk
             # is the outcome; none means it failed (its failure left nothing to find).
             try:
-                self.storage.wait_committed(self.final_name, deadline, rank, what)
+                self.ckpts._wait_visible(self.final_name, deadline, rank, what, stage=False)
             except PeerTimeout:
                 raise gone from None
             return
         if not outcome.get("ok"):
             raise _failure(outcome, rank, self.step, self.final)
-        self.storage.wait_committed(self.final_name, deadline, rank, what)
+        self.ckpts._wait_visible(self.final_name, deadline, rank, what, stage=False)
 
     # -- the writer ----------------------------------------------------------------------------------
 
     def _exit_writer(self, exc: BaseException | None) -> None:
+        promotion = self._promotion
+        assert promotion is not None, "the writer opened the stage"
         rank = self.group.rank
         failed: dict[int, str]
         missing: list[int]
         if exc is not None:
             failed, missing = {rank: f"{type(exc).__name__}: {exc}"}, []
         else:
-            failed, missing = self.exchange.collect(time.monotonic() + self.timeout)
+            failed, missing = self.call.collect(time.monotonic() + self.timeout)
         if failed or missing:
-            self.storage.abandon(self.stage_name)
+            _abandon(promotion)
             outcome = {"ok": False, "failed": {str(r): e for r, e in failed.items()}, "missing": missing}
-            self.exchange.decide(outcome)
+            self.call.decide(outcome)
             if exc is not None:
                 return  # the writer's own error propagates
             raise _failure(outcome, rank, self.step, self.final)
         try:
-            self.storage.commit(self.stage_name, self.final_name, self.step, rank, self._scratch)
+            # The stage the writer's replicated files are in: the shared one, or scratch (uploaded).
+            promotion.finish(self._scratch or self._stage)
         except BaseException as commit_error:
-            self.storage.abandon(self.stage_name)
-            self.exchange.decide(
+            _abandon(promotion)
+            self.call.decide(
                 {"ok": False, "failed": {str(rank): f"{type(commit_error).__name__}: {commit_error}"}}
             )
             raise
-        self.exchange.decide({"ok": True, "path": self.final})
+        self.call.decide({"ok": True, "path": self.final})
+
+
+def _abandon(promotion: StepPromotion) -> None:
+    """Nothing is committed: the stage goes, best effort (the previous checkpoints and ``latest`` stay;
+    what is left is the next save's recovery or ``safeio gc``'s)."""
+    with contextlib.suppress(OSError):
+        promotion.discard("")
 
 
 def _failure(outcome: dict[str, Any], rank: int, step: int, final: str) -> CheckpointError:

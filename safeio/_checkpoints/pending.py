@@ -13,7 +13,16 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
-from safeio._errors import PeerTimeout
+from safeio._errors import InvalidOptionError, PeerTimeout
+
+
+def check_future(future: Any) -> None:
+    """Refuse, before anything is deferred, what ``wait_for_future`` could not wait for."""
+    inner = getattr(future, "upload_completion", future)
+    if not (hasattr(inner, "result") and hasattr(inner, "done")) and not hasattr(inner, "wait"):
+        raise InvalidOptionError(
+            f"commit_after() needs a future (dcp.async_save's result), got {type(future)!r}", None
+        )
 
 
 def wait_for_future(future: Any, timeout: float) -> None:
@@ -27,7 +36,9 @@ def wait_for_future(future: Any, timeout: float) -> None:
     elif hasattr(future, "wait"):
         future.wait()  # torch.futures.Future has no timeout of its own
     else:
-        raise TypeError(f"commit_after() needs a future (dcp.async_save's result), got {type(future)!r}")
+        raise InvalidOptionError(
+            f"commit_after() needs a future (dcp.async_save's result), got {type(future)!r}", None
+        )
 
 
 class PendingCommit:

@@ -12,18 +12,16 @@ was last doing.
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import json
 import logging
 import os
-import sys
 import threading
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
-from datetime import timedelta
 from typing import Any
 
+from safeio._coordination.calls import StoreCall, StoreGone, digest, next_number, poll_until
 from safeio._coordination.group import Group, job_id
 from safeio._errors import PeerTimeout, RemoteWriterError
 from safeio._who import who
@@ -32,16 +30,11 @@ logger = logging.getLogger("safeio")
 
 # Keys of calls this far back are deleted by the writer: a peer that is that many saves of one target
 # behind is not waiting for them any more (and the store must not grow without bound over a long run).
-KEEP_CALLS = 64
-_FIRST_PAUSE = 0.05
-_LOG_EVERY = 30.0
-
-_counter_lock = threading.Lock()
-_counters: dict[tuple[str, str], int] = {}
+STORE_CALLS_KEPT = 64
 
 
 def target_digest(target_url: str) -> str:
-    return hashlib.sha256(target_url.encode("utf-8", "surrogateescape")).hexdigest()[:20]
+    return digest(target_url, 20)
 
 
 def encode_value(value: Any) -> Any:
@@ -107,19 +100,8 @@ class Outcome:
         )
 
 
-def is_store_timeout(error: BaseException) -> bool:
-    if isinstance(error, TimeoutError):
-        return True
-    dist = sys.modules.get("torch.distributed")
-    store_error = getattr(dist, "DistStoreError", None)
-    network_error = getattr(dist, "DistNetworkError", None)
-    if network_error is not None and isinstance(error, network_error):
-        return False
-    return store_error is not None and isinstance(error, store_error)
-
-
 class Channel:
-    """The keys of one call (target, sequence number) in the group's store."""
+    """One replicated save's call in the group's store: its outcome, the writer's phase, the acks."""
 
     def __init__(self, group: Group, target_url: str, identity: str, seq: int) -> None:
         self.group = group
@@ -127,11 +109,10 @@ class Channel:
         self.identity = identity
         self.seq = seq
         self.digest = target_digest(target_url)
-        self.identity_digest = hashlib.sha256(identity.encode()).hexdigest()[:12]
-        self.key = self._key(seq)
-        self.last_key = f"safeio/{self.digest}/last"
-        self.phase_key = self.key + "/phase"
-        self.ack_key = self.key + "/acks"
+        self.identity_digest = digest(identity, 12)
+        # The outcome is the prefix itself; "phase" and "acks" beside it. "last" is per target.
+        self.call = StoreCall(group, self._prefix(seq), target_url)
+        self.last = StoreCall(group, f"safeio/{self.digest}/last", target_url)
         self.phase = "start"
         self.phase_since = time.time()
         self._landed_value: Any = None
@@ -144,12 +125,19 @@ class Channel:
     def open(cls, group: Group, target_url: str, identity: str) -> Channel:
         """The next save of ``target_url`` with ``identity`` from this process: every rank numbers the
         saves of each identity, and only those, so saves other ranks never make do not shift the count."""
-        with _counter_lock:
-            seq = _counters[target_url, identity] = _counters.get((target_url, identity), 0) + 1
-        return cls(group, target_url, identity, seq)
+        return cls(group, target_url, identity, next_number((target_url, identity)))
 
-    def _key(self, seq: int) -> str:
+    def _prefix(self, seq: int) -> str:
         return f"safeio/{self.digest}/{self.identity_digest}/{seq}"
+
+    @property
+    def key(self) -> str:
+        return self.call.key()
+
+    @property
+    def hears_through_store(self) -> bool:
+        """Whether a peer can hear the outcome through the store (else only the filesystem tells)."""
+        return self.group.store is not None
 
     @property
     def call_id(self) -> str:
@@ -167,8 +155,7 @@ class Channel:
 
         ``wait=False`` (the watchdog) skips the refresh if the writer thread is publishing right now.
         """
-        store = self.group.store
-        if store is None or self.group.world_size == 1:
+        if not self.call.shared:
             return
         # safeio.watchdog: one publisher at a time, so a refresh read before a phase change cannot land
         # after it and show peers the old phase.
@@ -185,15 +172,14 @@ class Channel:
                 "pid": os.getpid(),
                 "rank": self.group.rank,
             }
-            store.set(self.phase_key, json.dumps(record))
+            self.call.set("phase", json.dumps(record))
         except Exception as exc:  # progress is advisory: never fail a save because peers cannot see it
             logger.debug("%s: could not publish phase of %s: %s", who(self.group.rank), self.target_url, exc)
         finally:
             self._publishing.release()
 
     def publish(self, outcome: Outcome) -> None:
-        store = self.group.store
-        if store is None or self.group.world_size == 1:
+        if not self.call.shared:
             return
         with self._publishing:
             self._closed = True
@@ -201,8 +187,8 @@ class Channel:
             # For a peer's timeout message: what this writer last saved of the target. Set before the
             # outcome: the last peer to hear the outcome deletes it, and must not do so before it is set.
             last = {"identity": self.identity, "seq": self.seq, "ok": outcome.ok}
-            store.set(self.last_key, json.dumps(last))
-            store.set(self.key, outcome.encode())
+            self.last.set("", json.dumps(last))
+            self.call.set("", outcome.encode())
         except Exception as exc:
             # Peers fall back to the filesystem (or time out with a PeerTimeout naming this rank).
             logger.warning(
@@ -212,10 +198,10 @@ class Channel:
                 exc,
             )
             return
-        if self.seq > KEEP_CALLS:
-            old = self._key(self.seq - KEEP_CALLS)
-            for key in (old, old + "/phase", old + "/acks"):
-                _delete_quietly(store, key)
+        if self.seq > STORE_CALLS_KEPT:
+            StoreCall(self.group, self._prefix(self.seq - STORE_CALLS_KEPT), self.target_url).delete(
+                ("", "phase", "acks")
+            )
 
     # -- non-writer side ---------------------------------------------------------------------------
 
@@ -240,97 +226,81 @@ class Channel:
             landed = landed_with_result
         start = time.monotonic()
         deadline = start + timeout
-        store = self.group.store
-        if store is not None:
-            outcome = self._wait_store(store, deadline, start)
+        if self.hears_through_store:
+            outcome = self._wait_store(deadline, start)
             if outcome is not None:
                 return outcome
         return self._wait_filesystem(landed, deadline, start)
 
     def wait_visible(self, landed: Callable[[], bool], deadline: float) -> None:
         """After a successful outcome: wait (bounded) until the promoted result is visible to this rank."""
-        pause, waited_from = _FIRST_PAUSE, time.monotonic()
-        while not landed():
-            if time.monotonic() >= deadline:
-                raise PeerTimeout(
-                    f"rank {self.group.rank}: rank {self.group.writer} promoted {self.target_url}, but this "
-                    f"rank still does not see that version after {time.monotonic() - waited_from:.1f} s "
-                    "(a stale client cache on a network filesystem?)",
-                    self.target_url,
-                    waited_for=self.group.writer,
-                    phase="done",
-                )
-            time.sleep(min(pause, max(deadline - time.monotonic(), 0)))  # bounded poll of the filesystem
-            pause = min(pause * 2, 0.5)
+        waited_from = time.monotonic()
 
-    def _wait_store(self, store: Any, deadline: float, start: float) -> Outcome | None:
-        # store.wait returns as soon as the key is set, so long slices cost no latency; each slice that
-        # expires makes c10d print a warning, so slices are as long as the progress-log interval.
-        while True:
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                raise self._timeout(time.monotonic() - start)
-            try:
-                store.wait([self.key], timedelta(seconds=min(_LOG_EVERY, remaining)))
-                raw = store.get(self.key)
-            except Exception as exc:
-                if not is_store_timeout(exc):
-                    # Expected at the end of a run: rank 0 hosts the TCPStore and may already have left.
-                    logger.info(
-                        "%s: the store became unreachable while waiting for %s (%s); "
-                        "watching the filesystem instead",
-                        who(self.group.rank),
-                        self.target_url,
-                        exc,
-                    )
-                    return None
-                if time.monotonic() < deadline:
-                    logger.info("%s: still waiting: %s", who(self.group.rank), self._writer_status())
-                continue
-            self._acknowledge(store)
-            return Outcome.decode(raw)
+        def expired() -> PeerTimeout:
+            return PeerTimeout(
+                f"rank {self.group.rank}: rank {self.group.writer} promoted {self.target_url}, but this "
+                f"rank still does not see that version after {time.monotonic() - waited_from:.1f} s "
+                "(a stale client cache on a network filesystem?)",
+                self.target_url,
+                waited_for=self.group.writer,
+                phase="done",
+            )
 
-    def _acknowledge(self, store: Any) -> None:
+        poll_until(landed, deadline, expired=expired)
+
+    def _wait_store(self, deadline: float, start: float) -> Outcome | None:
+        def still_waiting() -> None:
+            logger.info("%s: still waiting: %s", who(self.group.rank), self._writer_status())
+
+        try:
+            raw = self.call.wait(
+                "",
+                deadline,
+                expired=lambda: self._timeout(time.monotonic() - start),
+                still_waiting=still_waiting,
+            )
+        except StoreGone as gone:
+            # Expected at the end of a run: rank 0 hosts the TCPStore and may already have left.
+            logger.info(
+                "%s: the store became unreachable while waiting for %s (%s); watching the filesystem instead",
+                who(self.group.rank),
+                self.target_url,
+                gone.__cause__,
+            )
+            return None
+        self._acknowledge()
+        return Outcome.decode(raw)
+
+    def _acknowledge(self) -> None:
         """The last peer to read the outcome deletes this call's keys, and the target's ``last`` record:
         the store holds nothing of a save every peer has heard (a run that saves into a new directory
         every step would otherwise keep one key per directory). If the writer has meanwhile published a
         newer save of the target, its ``last`` record goes too; it only ever informs a timeout message."""
-        try:
-            if store.add(self.ack_key, 1) >= self.group.world_size - 1:
-                for key in (self.key, self.phase_key, self.ack_key, self.last_key):
-                    _delete_quietly(store, key)
-        except Exception as exc:
-            logger.debug("%s: could not acknowledge %s: %s", who(self.group.rank), self.key, exc)
+        if self.call.acknowledge(("", "phase"), self.group.world_size - 1):
+            self.last.delete(("",))
 
     def _wait_filesystem(self, landed: Callable[[], bool] | None, deadline: float, start: float) -> Outcome:
-        pause, next_log = _FIRST_PAUSE, start + _LOG_EVERY
-        while True:
-            if landed is not None and landed():
-                return Outcome(True, self.target_url, self.group.writer, value=self._landed_value)
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                raise self._timeout(time.monotonic() - start)
-            if time.monotonic() >= next_log:
-                next_log += _LOG_EVERY
-                logger.info(
-                    "%s: still waiting for %s to appear on the filesystem",
-                    who(self.group.rank),
-                    self.target_url,
-                )
-            time.sleep(min(pause, remaining))  # bounded poll: a filesystem offers nothing to block on
-            pause = min(pause * 2, 1.0)
+        def still_waiting() -> None:
+            logger.info(
+                "%s: still waiting for %s to appear on the filesystem", who(self.group.rank), self.target_url
+            )
+
+        poll_until(
+            landed if landed is not None else lambda: False,
+            deadline,
+            expired=lambda: self._timeout(time.monotonic() - start),
+            still_waiting=still_waiting,
+        )
+        return Outcome(True, self.target_url, self.group.writer, value=self._landed_value)
 
     def _writer_record(self) -> dict[str, Any] | None:
-        store = self.group.store
-        if store is None:
+        raw = self.call.get_now("phase")
+        if raw is None:
             return None
-        try:
-            if not store.check([self.phase_key]):
-                return None
-            record = json.loads(store.get(self.phase_key))
-        except Exception:
-            return None
-        return record if isinstance(record, dict) else None
+        with contextlib.suppress(ValueError):
+            record = json.loads(raw)
+            return record if isinstance(record, dict) else None
+        return None
 
     def _writer_status(self) -> str:
         writer = self.group.writer
@@ -338,7 +308,7 @@ class Channel:
         if record is None:
             return (
                 f"rank {writer} has published nothing for this save ({self._this_save()}); "
-                f"{self._last_published(writer)}"
+                f"{self._last_published()}"
             )
         now = time.time()
         return (
@@ -350,12 +320,11 @@ class Channel:
     def _this_save(self) -> str:
         return f"#{self.seq} of {self.identity}"
 
-    def _last_published(self, writer: int) -> str:
-        store = self.group.store
+    def _last_published(self) -> str:
+        raw = self.last.get_now("")
         last = None
-        with contextlib.suppress(Exception):
-            if store is not None and store.check([self.last_key]):
-                last = json.loads(store.get(self.last_key))
+        with contextlib.suppress(ValueError, TypeError):
+            last = json.loads(raw) if raw is not None else None
         if not isinstance(last, dict):
             return (
                 f"no save of {self.target_url} by it is on record (none yet, or every peer has heard the "
@@ -378,10 +347,3 @@ class Channel:
             waited_for=self.group.writer,
             phase=phase,
         )
-
-
-def _delete_quietly(store: Any, key: str) -> None:
-    try:
-        store.delete_key(key)
-    except Exception as exc:
-        logger.debug("could not delete store key %s: %s", key, exc)

@@ -16,7 +16,8 @@ import time
 from datetime import timedelta
 from typing import Any, Protocol, runtime_checkable
 
-from safeio._errors import PeerTimeout, SafeIOError
+from safeio._boundary import store_timed_out
+from safeio._errors import InvalidOptionError, PeerTimeout
 
 
 @runtime_checkable
@@ -44,11 +45,11 @@ class Group:
         name: str = "",
     ) -> None:
         if world_size < 1:
-            raise ValueError(f"world_size must be >= 1, got {world_size}")
+            raise InvalidOptionError(f"world_size must be >= 1, got {world_size}", None)
         if not 0 <= rank < world_size:
-            raise ValueError(f"rank {rank} is outside a world of size {world_size}")
+            raise InvalidOptionError(f"rank {rank} is outside a world of size {world_size}", None)
         if not 0 <= writer < world_size:
-            raise ValueError(f"writer {writer} is outside a world of size {world_size}")
+            raise InvalidOptionError(f"writer {writer} is outside a world of size {world_size}", None)
         self.rank = rank
         self.world_size = world_size
         self.store = store
@@ -80,7 +81,7 @@ class Group:
         if self.world_size == 1:
             return
         if self.store is None:
-            raise SafeIOError(f"group {self!r} has no store: a barrier needs torch.distributed", None)
+            raise InvalidOptionError(f"group {self!r} has no store: a barrier needs torch.distributed", None)
         _barrier_calls[tag] = count = _barrier_calls.get(tag, 0) + 1
         key = f"safeio/{self.name}/barrier/{tag}/{count}"
         arrived = self.store.add(key, 1)
@@ -90,8 +91,9 @@ class Group:
         try:
             self.store.wait([key + "/done"], timedelta(seconds=max(deadline - time.monotonic(), 0.001)))
         except Exception as exc:
+            why = f"timed out after {timeout:g} s" if store_timed_out(exc) else f"lost the store ({exc})"
             raise PeerTimeout(
-                f"rank {self.rank}: barrier {tag!r} #{count} timed out after {timeout:g} s "
+                f"rank {self.rank}: barrier {tag!r} #{count} {why} "
                 f"({arrived} of {self.world_size} ranks had arrived when this rank did)",
                 None,
             ) from exc
@@ -123,7 +125,9 @@ def from_process_group(process_group: Any = None) -> Group:
     from torch.distributed import distributed_c10d as c10d
 
     if not dist.is_initialized():
-        raise SafeIOError("torch.distributed is not initialized: call init_process_group first", None)
+        raise InvalidOptionError(
+            "group: torch.distributed is not initialized: call init_process_group first", None
+        )
     store: Any = c10d._get_default_store()
     rank = dist.get_rank(process_group)
     world_size = dist.get_world_size(process_group)
@@ -144,7 +148,7 @@ def from_environment(environ: dict[str, str] | None = None) -> Group | None:
             try:
                 rank, size = int(env[rank_var]), int(env[size_var])
             except ValueError:
-                raise SafeIOError(
+                raise InvalidOptionError(
                     f"cannot read the group from {rank_var}={env[rank_var]!r} {size_var}={env[size_var]!r}",
                     None,
                 ) from None
@@ -167,7 +171,9 @@ def resolve_group(group: Any) -> Group:
         return group
     if type(group).__name__ == "ProcessGroup":
         return from_process_group(group)
-    raise TypeError(f"group must be a safeio.Group, a torch ProcessGroup or None, got {type(group).__name__}")
+    raise InvalidOptionError(
+        f"group must be a safeio.Group, a torch ProcessGroup or None, got {type(group).__name__}", None
+    )
 
 
 def job_id(environ: dict[str, str] | None = None) -> str:

@@ -126,7 +126,7 @@ class Auditor:
         record_dir: str | os.PathLike[str] | None = None,
     ) -> None:
         if action not in ACTIONS:
-            raise ValueError(f"action must be one of {', '.join(ACTIONS)}; got {action!r}")
+            raise InvalidOptionError(f"action must be one of {', '.join(ACTIONS)}; got {action!r}", None)
         self.root = os.path.abspath(os.fspath(root))
         # Callers name files through symlinks or not; either spelling of the root must match.
         self._roots = tuple({self.root, os.path.realpath(self.root)})

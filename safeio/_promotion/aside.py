@@ -14,7 +14,7 @@ import stat
 from typing import Any
 
 from safeio._promotion.local import LocalPromotion
-from safeio._promotion.recovery import Action, Leftover
+from safeio._promotion.recovery_records import Action, Leftover
 from safeio._storage.claims import claimed
 from safeio._storage.dirfd import is_component, lstat_at
 from safeio._storage.fsops import remove_at

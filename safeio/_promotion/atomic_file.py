@@ -18,7 +18,7 @@ from typing import IO, Any
 
 from safeio._boundary import attach_cleanup_error, mapped, os_failure
 from safeio._errors import InvalidTargetError, SafeIOError, TargetExistsError
-from safeio._promotion.base import PhaseHook
+from safeio._promotion.base import PhaseHook, Promoted
 from safeio._storage import claims
 from safeio._storage.dirfd import lstat_at
 from safeio._storage.location import Location
@@ -35,7 +35,6 @@ class FilePromotion(ABC):
         self.exclusive = exclusive
         self.durable = durable
         self._on_phase = on_phase
-        self.result: Any = None  # the replicated flow hands it to peers; a file records none
         self._stage_path = ""
 
     def phase(self, name: str) -> None:
@@ -49,8 +48,23 @@ class FilePromotion(ABC):
         """The staged file, open for writing (``mode`` "w" or "wb")."""
         return open(self._stage_path, mode, encoding=encoding, newline=newline)
 
+    def write_whole(self, data: bytes) -> None:
+        """Write ``data`` as the file's whole new content, or leave the old one (pointer files)."""
+        stage = self.open_stage()
+        try:
+            with self.open_file("wb") as f:
+                f.write(data)
+        except BaseException as exc:
+            try:
+                self.discard(stage)
+            except OSError as cleanup_error:
+                attach_cleanup_error(exc, cleanup_error)
+            raise
+        self.finish(stage)
+
     @abstractmethod
-    def finish(self, stage: str) -> None: ...
+    def finish(self, stage: str, *, result: Any = None) -> Promoted:
+        """Put the staged file in place (a file records no ``result``: it has no manifest)."""
 
     @abstractmethod
     def discard(self, stage: str) -> None: ...
@@ -113,9 +127,9 @@ class AtomicFile(FilePromotion):
         self._file = open(self._fd, mode, encoding=encoding, newline=newline, closefd=False)  # noqa: SIM115
         return self._file
 
-    def finish(self, stage: str) -> None:
+    def finish(self, stage: str, *, result: Any = None) -> Promoted:
         try:
-            self._promote()
+            self._replace()
         except BaseException as exc:
             # Here, while the parent is still held: a rival's file under "x", or a failed fsync, left the
             # temporary file behind once the descriptors were closed, and the caller's discard() found
@@ -124,8 +138,9 @@ class AtomicFile(FilePromotion):
             raise
         finally:
             self._close()
+        return Promoted()
 
-    def _promote(self) -> None:
+    def _replace(self) -> None:
         target, fd, name = self.location.path, self._parent_fd, self._target_name
         try:
             self.phase("fsync")
@@ -191,34 +206,27 @@ class AtomicFile(FilePromotion):
 class UploadedFile(FilePromotion):
     """An object-store key, written by one upload of a local temporary file."""
 
+    @property
+    def fs(self) -> Any:
+        return self.location.fs
+
     def open_stage(self) -> str:
         url = self.location.url()
         with mapped(f"cannot reach {url}", url):
-            if (
-                self.exclusive
-                and self.location.fs is not None
-                and self.location.fs.exists(self.location.path)
-            ):
+            if self.exclusive and self.fs.exists(self.location.path):
                 raise TargetExistsError(f"{url} already exists and exclusive creation was asked", url)
         self._stage_path = os.path.join(tempfile.mkdtemp(prefix="safeio-upload-"), "data")
         return self._stage_path
 
-    def finish(self, stage: str) -> None:
+    def finish(self, stage: str, *, result: Any = None) -> Promoted:
         url = self.location.url()
         try:
             self.phase("promote")
             with mapped(f"could not upload {url}", url):
-                assert self.location.fs is not None
-                self.location.fs.put_file(stage, self.location.path)
+                self.fs.put_file(stage, self.location.path)
         finally:
             self.discard(stage)
+        return Promoted()
 
     def discard(self, stage: str) -> None:
         shutil.rmtree(os.path.dirname(stage), ignore_errors=True)
-
-
-def file_promotion_for(
-    location: Location, *, exclusive: bool, durable: bool, on_phase: PhaseHook | None = None
-) -> FilePromotion:
-    kind = AtomicFile if location.is_local else UploadedFile
-    return kind(location, exclusive=exclusive, durable=durable, on_phase=on_phase)

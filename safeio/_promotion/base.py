@@ -1,20 +1,20 @@
 """The writer's side of one save: the flow every storage behaviour shares.
 
 ``Promotion`` owns the order of the steps and the phases peers see (like filelock's ``BaseFileLock``
-owning ``acquire``); each behaviour fills in the hooks for its storage:
+owning ``acquire``); each behaviour fills in four hooks for its storage:
 
     open_stage()                       check the target, create the private stage
-    finish(stage):
-      phase "manifest"  _prepare        permissions, what goes in the manifest
-      phase "fsync"     _sync           make the stage durable (when asked)
-      phase "promote"   _promote_unlocked  a promotion that needs no lock (a fresh target), if it can
-      phase "lock"      _locked         the promotion lock (none on object stores)
-      phase "promote"   _before_promote the target is still what we checked; leftovers of dead writers
-                        _promote        the behaviour itself (rename, exchange, merge, link swap, upload)
-                        _after_promote  make the promotion durable
+    finish(stage, result=...):
+      phase "manifest"  _prepare          permissions, what goes in the manifest, the files checked;
+                                          phase "fsync" where it makes the stage durable
+      phase "promote"   _promote_unlocked a promotion that needs no lock (a fresh target), if it can
+      phase "lock"      _locked           the promotion lock (none on object stores)
+      phase "promote"   _promote          the behaviour itself (rename, exchange, merge, link swap,
+                                          upload, a step's commit), and making it durable
     discard(stage)                     after a failure: the target is untouched
 
-A behaviour is picked by ``safeio._promotion.resolver``, never by an ``if`` in this flow.
+``finish`` returns what peers need to recognise the promoted version (``Promoted``). A behaviour is
+picked by the target's back end (``safeio._promotion.backends``), never by an ``if`` in this flow.
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ import logging
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
 from typing import Any
 
 from safeio._boundary import mapped
@@ -35,6 +36,19 @@ from safeio._who import who
 logger = logging.getLogger("safeio")
 
 PhaseHook = Callable[[str], None]
+# Called with the stage's files (relative names) before anything is promoted: the replicated layer
+# refuses sharded state there (see safeio._saves.replicated).
+FilesCheck = Callable[[list[str]], None]
+
+
+@dataclass(frozen=True)
+class Promoted:
+    """What a finished promotion tells peers: the promoted manifest's ``manifest.version_of`` and the
+    same of the version it replaced (None: none, or not known where the target lives), so that a peer
+    confirms it sees that version with one stat, and tells a rival's later version from a stale view."""
+
+    version: list[int] | None = None
+    replaced: list[int] | None = None
 
 
 class Promotion(ABC):
@@ -48,19 +62,20 @@ class Promotion(ABC):
         rank: int,
         call_id: str,
         on_phase: PhaseHook | None = None,
+        check_files: FilesCheck | None = None,
+        step: int | None = None,
     ) -> None:
         self.location = location
         self.options = options
         self.rank = rank
         self.call_id = call_id
+        self.step = step  # a checkpoint's step, recorded in its marker
         self._on_phase = on_phase
+        self._check_files = check_files
         self._started = time.monotonic()  # peers' waits began about now (see lock_timeout)
-        self.result: Any = None  # the body's result (JSON form), recorded in the manifest
+        self._result: Any = None  # the body's result (JSON form), recorded in the manifest
         self.version: list[int] | None = None  # the promoted manifest's ``manifest.version_of``, if local
         self.replaced: list[int] | None = None  # the same of the version it replaced (None: none)
-        # Called by _prepare with the stage's files (relative names) before anything is promoted: the
-        # replicated layer refuses sharded state there (see safeio._saves.replicated).
-        self.check_files: Callable[[list[str]], None] | None = None
 
     # -- the flow ----------------------------------------------------------------------------------
 
@@ -68,24 +83,21 @@ class Promotion(ABC):
     def open_stage(self) -> str:
         """Check the target and create the writer's private stage; return its local path."""
 
-    def finish(self, stage: str) -> None:
-        """Describe, sync, lock and promote ``stage``; on return the target is the new version."""
+    def finish(self, stage: str, *, result: Any = None) -> Promoted:
+        """Describe, sync, lock and promote ``stage``; on return the target is the new version.
+        ``result`` (the body's, JSON form) is recorded in the manifest for peers without a store."""
+        self._result = result
         target = self.location.url()
         with mapped(f"could not promote {target}", target):
             self.phase("manifest")  # describing the stage reads (and, if durable, hashes) every file
             entries = self._prepare(stage)
-            self.phase("fsync")
-            self._sync(stage)
-            if self._promote_unlocked(stage, entries):
-                self._after_promote()
-            else:
+            if not self._promote_unlocked(stage, entries):
                 self.phase("lock")
                 with self._locked():
                     self.phase("promote")
-                    self._before_promote()
                     self._promote(stage, entries)
-                    self._after_promote()
         logger.debug("%s: promoted %s (mode %s)", who(self.rank), target, self.options.mode)
+        return Promoted(self.version, self.replaced)
 
     @abstractmethod
     def discard(self, stage: str) -> None:
@@ -95,10 +107,8 @@ class Promotion(ABC):
 
     @abstractmethod
     def _prepare(self, stage: str) -> dict[str, dict[str, Any]]:
-        """Check the stage and return the manifest entries of its files (none when the manifest is off)."""
-
-    def _sync(self, stage: str) -> None:  # noqa: B027 - an optional hook: no-op unless a behaviour needs it
-        """Make the stage durable before it is promoted (nothing by default)."""
+        """Check the stage, make it durable where asked, and return the manifest entries of its files
+        (none when the manifest is off)."""
 
     def _promote_unlocked(self, stage: str, entries: dict[str, dict[str, Any]]) -> bool:
         """Promote without the lock where that is safe (True), else leave it to the locked way (False)."""
@@ -109,22 +119,16 @@ class Promotion(ABC):
         """Hold the promotion lock for the block (none by default)."""
         yield
 
-    def _before_promote(self) -> None:  # noqa: B027 - an optional hook: no-op unless a behaviour needs it
-        """Re-check the target under the lock and put right what dead writers left (nothing by default)."""
-
     @abstractmethod
     def _promote(self, stage: str, entries: dict[str, dict[str, Any]]) -> None:
-        """Make ``stage`` the target."""
-
-    def _after_promote(self) -> None:  # noqa: B027 - an optional hook: no-op unless a behaviour needs it
-        """Make the promotion itself durable (nothing by default)."""
+        """Make ``stage`` the target (under the lock, where there is one), durably when asked."""
 
     # -- shared by behaviours ----------------------------------------------------------------------
 
     def check_staged(self, names: Iterable[str]) -> None:
         """Hand the stage's files to ``check_files`` (behaviours call it from ``_prepare``)."""
-        if self.check_files is not None:
-            self.check_files(list(names))
+        if self._check_files is not None:
+            self._check_files(list(names))
 
     def phase(self, name: str) -> None:
         if self._on_phase is not None:
@@ -144,7 +148,11 @@ class Promotion(ABC):
     def manifest_record(
         self, entries: dict[str, dict[str, Any]], previous: dict[str, Any] | None
     ) -> dict[str, Any]:
-        """The manifest of this save; with ``previous`` (merge) the other objects' entries are kept."""
-        return manifest.build(
-            entries, rank=self.rank, call=self.call_id, previous=previous, result=self.result
+        """The manifest of this save; with ``previous`` (merge) the other objects' entries are kept; a
+        checkpoint's records its step."""
+        record = manifest.build(
+            entries, rank=self.rank, call=self.call_id, previous=previous, result=self._result
         )
+        if self.step is not None:
+            record["step"] = self.step
+        return record

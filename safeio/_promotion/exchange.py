@@ -18,7 +18,7 @@ from safeio._who import who
 logger = logging.getLogger("safeio")
 
 
-class Exchange(RenameAside):
+class ExchangeRename(RenameAside):
     def _swap(self) -> None:
         device = os.fstat(self.parent_fd).st_dev
         if capabilities.exchange_refused(device):

@@ -18,7 +18,7 @@ import time
 from safeio._errors import SafeIOError
 from safeio._promotion.aside import RenameAside
 from safeio._promotion.merge import Merge
-from safeio._promotion.recovery import Action, Leftover
+from safeio._promotion.recovery_records import Action, Leftover
 from safeio._promotion.versioned import prune, versioned_targets
 from safeio._storage import claims
 from safeio._storage.dirfd import held_directory, lstat_at

@@ -26,7 +26,7 @@ from typing import Any
 from safeio._boundary import NOT_A_DIRECTORY, os_failure
 from safeio._errors import InvalidTargetError, PromotionError, TargetExistsError
 from safeio._options import SaveOptions
-from safeio._promotion.base import Promotion
+from safeio._promotion.base import Promoted, Promotion
 from safeio._storage import claims, manifest
 from safeio._storage.dirfd import fsync_fd_tree, held_directory, identity, lstat_at, open_directory
 from safeio._storage.fsops import remove_at
@@ -46,7 +46,7 @@ logger = logging.getLogger("safeio")
 _TAKEN = frozenset({errno.EEXIST, errno.ENOTEMPTY, errno.ENOTDIR, errno.EISDIR})
 
 # recover(parent, parent_fd, target_name, durable, own_stage): puts right what dead writers of the target
-# left. Injected by the resolver, because recovery dispatches to every behaviour and behaviours must not
+# left. Injected by the back end, because recovery dispatches to every behaviour and behaviours must not
 # import each other.
 Recovery = Callable[[str, int, str, bool, str], None]
 
@@ -56,6 +56,9 @@ class LocalPromotion(Promotion):
 
     # A target that does not exist yet becomes the stage by one rename (every behaviour but Versioned).
     renames_fresh_target = True
+    # Whether a durable save records sha256 of every file (see safeio._storage.manifest for the cost); a
+    # checkpoint's gigabytes of shards are described by their sizes.
+    hashes_when_durable = True
     # Whether the promotion changed the parent's entries (a rename there), so that a durable save syncs
     # it; a merge into an existing target changes only the target's.
     parent_changed = True
@@ -197,9 +200,10 @@ class LocalPromotion(Promotion):
         finally:
             self.close()
 
-    def finish(self, stage: str) -> None:
-        super().finish(stage)
+    def finish(self, stage: str, *, result: Any = None) -> Promoted:
+        promoted = super().finish(stage, result=result)
         self.close()
+        return promoted
 
     # -- hooks of the flow -------------------------------------------------------------------------
 
@@ -208,15 +212,17 @@ class LocalPromotion(Promotion):
         # Hashes only when durable: see safeio._storage.manifest for the cost.
         describe = self.options.manifest
         self.contents = settle_stage(
-            self.stage_fd, self._stage_mode, describe=describe, hashes=self.options.durable
+            self.stage_fd,
+            self._stage_mode,
+            describe=describe,
+            hashes=self.options.durable and self.hashes_when_durable,
         )
         self.check_staged(self.contents.content)
-        return self.contents.entries
-
-    def _sync(self, stage: str) -> None:
+        self.phase("fsync")
         if self.options.durable:
             # The stage directory itself once the manifest (and a merge's intent) is in it: seal_stage.
             fsync_fd_tree(self.stage_fd, root=False)
+        return self.contents.entries
 
     def seal_stage(self) -> None:
         """Durable saves: the stage's entries (its files, the manifest, a merge's intent) reach the disk
@@ -244,6 +250,7 @@ class LocalPromotion(Promotion):
         self.check_stage()
         if not self._rename_into_place(entries):
             return False
+        self._sync_parent()
         logger.debug("%s: %s is new: promoted without the lock", who(self.rank), self.target)
         return True
 
@@ -267,10 +274,14 @@ class LocalPromotion(Promotion):
         # NFS and FUSE refuse RENAME_NOREPLACE: asking would be one more round trip to the server.
         return not is_network_device(os.fstat(self.parent_fd).st_dev, self.parent)
 
+    def lock_name(self) -> str:
+        """Whose promotion lock this save takes: its target's (``.<name>.safeio.lock`` beside it)."""
+        return self.name
+
     @contextlib.contextmanager
     def _locked(self) -> Iterator[None]:
         lock = make_lock(
-            lock_path_for(self.parent, self.name),
+            lock_path_for(self.parent, self.lock_name()),
             self.options.lock,
             self.lock_timeout(),
             self.options.lease_seconds,
@@ -279,13 +290,17 @@ class LocalPromotion(Promotion):
         with held(lock, self.target, self.rank):
             yield
 
-    def _before_promote(self) -> None:
-        self.check_target()  # a rival job may have changed it while our body ran
+    def _promote(self, stage: str, entries: dict[str, dict[str, Any]]) -> None:
+        # Under the lock: a rival job may have changed the target while our body ran, and what dead
+        # writers of it left is put right before this save promotes.
+        self.check_target()
         self.check_stage()
         self.replaced = self._current_version()
         self._recover(self.parent, self.parent_fd, self.name, self.options.durable, self.stage_name)
+        self._put_in_place(stage, entries)
+        self._sync_parent()
 
-    def _promote(self, stage: str, entries: dict[str, dict[str, Any]]) -> None:
+    def _put_in_place(self, stage: str, entries: dict[str, dict[str, Any]]) -> None:
         if lstat_at(self.parent_fd, self.name) is None and self._rename_into_place(entries):
             return
         self.check_target()  # a first save of a rival job may have taken the name meanwhile
@@ -301,7 +316,8 @@ class LocalPromotion(Promotion):
             return None
         return manifest.version_of(st) if stat.S_ISREG(st.st_mode) else None
 
-    def _after_promote(self) -> None:
+    def _sync_parent(self) -> None:
+        """Make the promotion itself durable."""
         if self.options.durable and self.parent_changed:
             os.fsync(self.parent_fd)
 

@@ -26,7 +26,7 @@ from typing import Any
 
 from safeio._errors import InvalidTargetError
 from safeio._promotion.local import LocalPromotion
-from safeio._promotion.recovery import Action, Leftover
+from safeio._promotion.recovery_records import Action, Leftover
 from safeio._storage import manifest
 from safeio._storage.dirfd import held_directory, lstat_at, open_directory, open_relative_directory
 from safeio._storage.fsops import remove_at

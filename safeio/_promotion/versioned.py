@@ -20,7 +20,7 @@ from typing import Any
 from safeio._errors import InvalidTargetError
 from safeio._options import version_grace
 from safeio._promotion.local import LocalPromotion
-from safeio._promotion.recovery import Action, tree_size
+from safeio._promotion.recovery_records import Action, tree_size
 from safeio._storage import manifest
 from safeio._storage.claims import claimed
 from safeio._storage.dirfd import lstat_at, open_directory, open_relative_directory, walk_files
@@ -39,7 +39,7 @@ class Versioned(LocalPromotion):
         super().check_target()
         self.refuse_protected_directories()
 
-    def _promote(self, stage: str, entries: dict[str, dict[str, Any]]) -> None:
+    def _put_in_place(self, stage: str, entries: dict[str, dict[str, Any]]) -> None:
         pfd, name = self.parent_fd, self.name
         merge = self.options.mode == "merge"
         previous = self._open_current_version() if merge else None
@@ -67,7 +67,7 @@ class Versioned(LocalPromotion):
         prune(self.parent, pfd, name, grace=self.options.version_grace)
 
     def _replace_existing(self, stage: str, entries: dict[str, dict[str, Any]]) -> None:
-        self._promote(stage, entries)  # _promote handles a present and an absent target alike
+        self._put_in_place(stage, entries)  # a present and an absent target alike
 
     def _open_current_version(self) -> int | None:
         """The current version directory (or the plain directory a first versioned save replaces)."""

@@ -9,8 +9,7 @@ from typing import IO, Any
 
 from safeio._boundary import attach_cleanup_error
 from safeio._errors import InvalidOptionError
-from safeio._promotion.atomic_file import file_promotion_for
-from safeio._storage.location import resolve
+from safeio._promotion.backends import backend_for
 
 _MODES = ("w", "wb", "x", "xb", "wt", "xt")
 
@@ -38,7 +37,7 @@ def atomic_open(
         raise InvalidOptionError(f"durable must be True or False, got {durable!r}", os.fspath(path))
     if encoding is None and "b" not in mode:
         encoding = "utf-8"
-    promotion = file_promotion_for(resolve(path), exclusive=mode.startswith("x"), durable=durable)
+    promotion = backend_for(path).file_promotion(exclusive=mode.startswith("x"), durable=durable)
     stage = promotion.open_stage()
     try:
         with promotion.open_file("wb" if "b" in mode else "w", encoding=encoding, newline=newline) as f:

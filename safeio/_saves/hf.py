@@ -129,7 +129,7 @@ def save_through(
             "with safeio, then push from one process",
             location.url(),
         )
-    nested = active.redirect(location.path if location.is_local else location.url())
+    nested = active.redirect(location.url())  # a local target's absolute path, or its URL
     if nested is not None:
         # A save inside a save (a processor saving its tokenizer): write straight into the open stage,
         # with no second stage, lock, counter or wait (peers never make this nested call).

@@ -29,12 +29,11 @@ from safeio._diagnostics.watchdog import Watchdog
 from safeio._errors import UnsupportedSaveError
 from safeio._options import SaveOptions
 from safeio._promotion import active
-from safeio._promotion.atomic_file import FilePromotion, file_promotion_for
-from safeio._promotion.base import Promotion
-from safeio._promotion.resolver import promotion_for
+from safeio._promotion.atomic_file import FilePromotion
+from safeio._promotion.backends import backend_for
+from safeio._promotion.base import Promoted
 from safeio._saves.identity import save_identity
 from safeio._saves.visibility import DirectoryVisibility, FileVisibility
-from safeio._storage.location import Location, resolve
 from safeio._who import who
 
 logger = logging.getLogger("safeio")
@@ -60,10 +59,8 @@ class Stage:
 
 
 class _Promoting(Protocol):
-    result: Any
-
     def open_stage(self) -> str: ...
-    def finish(self, stage: str) -> None: ...
+    def finish(self, stage: str, *, result: Any = None) -> Promoted: ...
     def discard(self, stage: str) -> None: ...
 
 
@@ -86,7 +83,8 @@ class ReplicatedSave:
         what: str | None = None,
         peer_body: bool = True,
     ) -> None:
-        self.location: Location = resolve(target)
+        self.backend = backend_for(target)
+        self.location = self.backend.location
         # Whether non-writers run the body too (SPMD). When only the writer does (a tokenizer's
         # save_pretrained), a peer makes no scratch directory: it only waits.
         self.peer_body = peer_body
@@ -105,9 +103,8 @@ class ReplicatedSave:
 
     def __enter__(self) -> Stage:
         location = self.location
-        target_key = location.url()
-        active_key = location.path if location.is_local else target_key
-        nested = active.redirect(active_key)
+        target_key = location.url()  # a local target's absolute path, or its URL
+        nested = active.redirect(target_key)
         group = resolve_group(self._group_arg)
         if self.options.writer is not None:
             group = group.with_writer(self.options.writer)
@@ -127,10 +124,10 @@ class ReplicatedSave:
             else:
                 path = ""  # no body runs here: nothing to write, no scratch to make
             self._visibility = self._make_visibility(channel)
-            if group.store is None:  # the filesystem is the only way to hear the outcome
+            if not channel.hears_through_store:  # the filesystem is the only way to hear the outcome
                 self._visibility.note_entry()
         if path:  # a peer that runs no body has no stage for nested saves to write into
-            self._entry = active.ActiveStage(active_key, path)
+            self._entry = active.ActiveStage(target_key, path)
             active.push(self._entry)
         self._stage = Stage(path, target_key, group.is_writer, group)
         return self._stage
@@ -139,27 +136,28 @@ class ReplicatedSave:
         """For ``kind="file"`` on the writer: the staged file, open for binary writing."""
         promotion = self._promotion
         if not isinstance(promotion, FilePromotion):
-            raise TypeError("open_file() is for the writer of a file save")
+            raise UnsupportedSaveError("open_file() is for the writer of a file save", self.location.url())
         file: IO[bytes] = promotion.open_file("wb")
         return file
 
     def _make_promotion(self, channel: Channel, group: Group) -> _Promoting:
         if self.kind == "file":
-            return file_promotion_for(
-                self.location, exclusive=False, durable=self.options.durable, on_phase=channel.enter_phase
+            return self.backend.file_promotion(
+                exclusive=False, durable=self.options.durable, on_phase=channel.enter_phase
             )
-        return promotion_for(
-            self.location,
+        return self.backend.promotion(
             self.options,
             rank=group.rank,
             call_id=channel.call_id,
             on_phase=channel.enter_phase,
+            check_files=functools.partial(refuse_sharded_state, target=self.location.url()),
         )
 
     def _make_visibility(self, channel: Channel) -> _Visibility:
+        reader = self.backend.reader()
         if self.kind == "file":
-            return FileVisibility(self.location)
-        return DirectoryVisibility(self.location, call_id=channel.call_id, manifest=self.options.manifest)
+            return FileVisibility(reader)
+        return DirectoryVisibility(reader, call_id=channel.call_id, manifest=self.options.manifest)
 
     def _enter_writer(self, channel: Channel, group: Group) -> str:
         # Before the first phase: an uninterruptible mkdir on a hung mount must be reported too.
@@ -199,19 +197,21 @@ class ReplicatedSave:
         promotion = self._promotion
         error: BaseException | None = exc
         value = encode_value(stage.result)
+        promoted = Promoted()
         if error is None:
             try:
-                if self.kind == "directory" and isinstance(promotion, Promotion):
-                    promotion.check_files = functools.partial(refuse_sharded_state, target=stage.target)
-                promotion.result = value
-                promotion.finish(stage.path)
+                promoted = promotion.finish(stage.path, result=value)
             except BaseException as finish_error:
                 error = finish_error
         if error is None:
             # Directories on local filesystems only: see Outcome.version.
-            version, replaced = getattr(promotion, "version", None), getattr(promotion, "replaced", None)
             outcome = Outcome(
-                True, stage.target, stage.group.rank, value=value, version=version, replaced=replaced
+                True,
+                stage.target,
+                stage.group.rank,
+                value=value,
+                version=promoted.version,
+                replaced=promoted.replaced,
             )
             channel.publish(outcome)
             channel.enter_phase("done")

@@ -9,13 +9,9 @@ number).
 
 from __future__ import annotations
 
-import contextlib
-import os
 from typing import Any
 
-from safeio._storage import manifest
-from safeio._storage.location import Location
-from safeio._storage.readers import reader_for
+from safeio._storage.readers import TargetReader
 
 
 def call_covers(recorded: object, awaited: str) -> bool:
@@ -37,11 +33,10 @@ def call_covers(recorded: object, awaited: str) -> bool:
 class DirectoryVisibility:
     """A directory target, recognised by its manifest (or by existing, when the manifest is off)."""
 
-    def __init__(self, location: Location, *, call_id: str, manifest: bool) -> None:
-        self.location = location
+    def __init__(self, reader: TargetReader, *, call_id: str, manifest: bool) -> None:
         self.call_id = call_id
-        self.manifest = manifest or not location.is_local  # on object stores it is the commit marker
-        self._reader = reader_for(location)
+        self.manifest = manifest or reader.marker_required  # on object stores it is the commit marker
+        self._reader = reader
         # The manifest's call id when this peer entered the save (read only when there is no store to
         # hear the outcome from): any other complete version seen later was promoted since, by our writer
         # or a newer save (a rival job's), and ends the wait. Not read: a rival's version never does.
@@ -88,16 +83,9 @@ class DirectoryVisibility:
         the one promoted nor the one it replaced was promoted after it (a stale view shows the replaced).
         ``read``: read the manifest even when the stat matches (for ``landed_files``).
         """
-        current = None
-        if self.location.is_local and self.manifest:
-            # By path: a peer holds no handle on the share. Only metadata is read, and a link planted on
-            # the way can only show a version that is not the promoted one, which the full check judges.
-            with contextlib.suppress(OSError):
-                current = manifest.version_of(
-                    os.lstat(os.path.join(self.location.path, manifest.MANIFEST_NAME))
-                )
-            if current == list(version) and not read:
-                return True
+        current = self._reader.manifest_version() if self.manifest else None
+        if current is not None and current == list(version) and not read:
+            return True
         expected = (list(version), list(replaced) if replaced is not None else None)
         return self.landed(newer=current is not None and current not in expected)
 
@@ -121,17 +109,14 @@ def _job(call_id: str) -> str:
 class FileVisibility:
     """A single file: it carries no manifest, so "landed" can only mean it is there."""
 
-    def __init__(self, location: Location) -> None:
-        self.location = location
+    def __init__(self, reader: TargetReader) -> None:
+        self._reader = reader
 
     def note_entry(self) -> None:
         pass
 
     def landed(self) -> bool:
-        if self.location.is_local:
-            return os.path.exists(self.location.path)
-        assert self.location.fs is not None
-        return bool(self.location.fs.exists(self.location.path))
+        return self._reader.file_exists()
 
     def result(self) -> Any:
         return None

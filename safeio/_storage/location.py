@@ -1,4 +1,4 @@
-"""Where a target lives: a local POSIX path (NFS included) or an fsspec URL, and what that filesystem can do.
+"""Where a target lives: a local POSIX path (NFS included) or an fsspec URL, parsed once.
 
 Local paths go through ``os`` directly: fsspec's local ``mv`` and transactions copy without fsync, which
 is not the atomic, durable rename safeio promises. Anything else (``memory://``, ``s3://``, ...) goes
@@ -19,15 +19,12 @@ if TYPE_CHECKING:
 
 @dataclass(frozen=True)
 class Location:
-    """A resolved target. ``path`` is absolute for local targets and the fsspec path otherwise."""
+    """A resolved target. ``path`` is absolute for local targets and the fsspec path otherwise; ``fs`` is
+    None for a local target. What differs by kind is its back end's (``safeio._promotion.backends``)."""
 
     given: str
     path: str
     fs: AbstractFileSystem | None = None
-
-    @property
-    def is_local(self) -> bool:
-        return self.fs is None
 
     @property
     def parent(self) -> str:

@@ -22,6 +22,7 @@ from typing import Protocol
 import filelock
 
 from safeio._boundary import lock_not_acquired, os_failure
+from safeio._errors import InvalidOptionError
 from safeio._options import LockSetting, lease_seconds
 from safeio._storage.dirfd import held_directory
 from safeio._storage.lock_markers import read_marker
@@ -171,7 +172,9 @@ def make_lock(
         )
     if kind == "strict":
         return filelock.StrictSoftFileLock(path, timeout=timeout)
-    raise ValueError(f"lock must be True, False, 'auto', 'flock', 'lease' or 'strict', got {setting!r}")
+    raise InvalidOptionError(
+        f"lock must be True, False, 'auto', 'flock', 'lease' or 'strict', got {setting!r}", None
+    )
 
 
 @contextlib.contextmanager

@@ -75,7 +75,7 @@ def describe_files(dir_fd: int, *, hashes: bool) -> dict[str, dict[str, Any]]:
     return entries
 
 
-KEEP_CALLS = 32
+CALLS_RECORDED = 32
 
 
 def build(
@@ -98,7 +98,7 @@ def build(
         this_call["result"] = result
     # The recent saves whose files this version holds (a merge keeps the others'): a peer waiting for
     # one of them finds it here even after another save of the directory came after it.
-    calls = [*(previous.get("calls", []) if previous else []), this_call][-KEEP_CALLS:]
+    calls = [*(previous.get("calls", []) if previous else []), this_call][-CALLS_RECORDED:]
     record = {
         "format": FORMAT,
         "files": dict(sorted(merged.items())),

@@ -1,19 +1,24 @@
-"""The reading side of a target: its manifest, whether it is complete, which version a loader should read.
+"""The reading side of a target: its manifest, whether it is complete, which version a loader should read,
+whether a checkpoint step is committed.
 
 One reader per kind of location, like fsspec's one filesystem object per protocol: ``LocalReader`` for a
-POSIX directory (NFS included), ``ObjectStoreReader`` for a prefix under a commit marker. Peers waiting for
-a save, ``safeio.verify``, ``is_complete``, ``snapshot`` and the ``safeio verify`` command all read through
-them; the writing side is ``safeio._promotion``.
+POSIX directory (NFS included), ``ObjectStoreReader`` for a prefix under a commit marker. The target's back
+end (``safeio._promotion.backends``) makes them. Peers waiting for a save, ``safeio.verify``,
+``is_complete``, ``snapshot``, ``Checkpoints``, the integrations and the ``safeio`` command all read
+through them; the writing side is ``safeio._promotion``.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
+import stat
 from abc import ABC, abstractmethod
 from typing import Any
 
 from safeio._storage import manifest
-from safeio._storage.location import Location, resolve
+from safeio._storage.dirfd import held_directory
+from safeio._storage.location import Location
 from safeio._storage.metadata import MANIFEST_CAP, Damaged, parse_json, validate_manifest
 from safeio._storage.names import is_version_pointee
 
@@ -36,6 +41,10 @@ def is_version_link(path: str) -> bool:
 class TargetReader(ABC):
     """Reads what a promoted target holds, never changing it."""
 
+    # Whether every version carries its manifest whatever the save's options (an object store's is the
+    # commit marker), so that a peer recognises a save by it.
+    marker_required = False
+
     def __init__(self, location: Location) -> None:
         self.location = location
 
@@ -55,6 +64,31 @@ class TargetReader(ABC):
     def no_manifest_problem(self) -> str:
         """How ``verify`` reports a target without a readable manifest."""
 
+    @abstractmethod
+    def is_step(self) -> bool:
+        """Whether the target can be a committed checkpoint step at all (a real directory; a link
+        planted under a step's name never is)."""
+
+    @abstractmethod
+    def file_exists(self) -> bool:
+        """For a single-file target: whether it is there."""
+
+    @abstractmethod
+    def manifest_version(self) -> list[int] | None:
+        """``manifest.version_of`` the manifest now, with one stat (None where that cannot be told)."""
+
+    @abstractmethod
+    def snapshot(self) -> str:
+        """The directory (or URL) a reader loads from to see one consistent version."""
+
+    @abstractmethod
+    def unlisted(self, record: dict[str, Any]) -> list[str]:
+        """Files present but not in ``record`` (a merge directory may hold other tools' files)."""
+
+    def describe_missing_manifest(self) -> str:
+        """What ``safeio verify`` says of a target without its manifest (the same as ``verify``)."""
+        return self.no_manifest_problem()
+
     def verify(self, *, check_hashes: bool = True) -> list[str]:
         if not self.exists():
             return [f"missing: {self.location.url()} is not a directory"]
@@ -62,6 +96,16 @@ class TargetReader(ABC):
         if record is None:
             return [self.no_manifest_problem()]
         return self.problems(record, check_hashes=check_hashes)
+
+    def committed_step(self) -> int | None:
+        """The step of a committed checkpoint at the target: its marker (a manifest with a step) lists
+        every file at its size. None for anything else. The one answer to "is this step committed"."""
+        if not self.is_step():
+            return None
+        record = self.manifest()
+        if record is None or not isinstance(record.get("step"), int):
+            return None
+        return None if self.problems(record, check_hashes=False) else int(record["step"])
 
 
 class LocalReader(TargetReader):
@@ -77,11 +121,54 @@ class LocalReader(TargetReader):
     def no_manifest_problem(self) -> str:
         return f"no readable {manifest.MANIFEST_NAME} in {self.location.path}"
 
+    def is_step(self) -> bool:
+        try:
+            return stat.S_ISDIR(os.lstat(self.location.path).st_mode)
+        except OSError:
+            return False
+
+    def file_exists(self) -> bool:
+        return os.path.exists(self.location.path)
+
+    def manifest_version(self) -> list[int] | None:
+        # By path: a peer holds no handle on the share. Only metadata is read, and a link planted on
+        # the way can only show a version that is not the promoted one, which a full check judges.
+        with contextlib.suppress(OSError):
+            return manifest.version_of(os.lstat(os.path.join(self.location.path, manifest.MANIFEST_NAME)))
+        return None
+
+    def snapshot(self) -> str:
+        pointee = version_pointee(self.location.path)
+        return os.path.join(self.location.parent, pointee) if pointee is not None else self.location.path
+
+    def unlisted(self, record: dict[str, Any]) -> list[str]:
+        listed = set(record["files"])
+        with held_directory(self.location.path, follow=True) as fd:
+            return [rel for rel in manifest.content_files(fd) if rel not in listed]
+
 
 class ObjectStoreReader(TargetReader):
+    """A prefix under a commit marker. ``sizes``: relative key -> size of every object under the prefix,
+    from a listing the caller made already (``Checkpoints`` lists a root once for all its steps); else
+    each is asked for."""
+
+    marker_required = True
+
+    def __init__(self, location: Location, *, sizes: dict[str, int] | None = None) -> None:
+        super().__init__(location)
+        self._sizes = sizes
+
     @property
     def fs(self) -> Any:
         return self.location.fs
+
+    def _size(self, rel: str) -> int | None:
+        if self._sizes is not None:
+            return self._sizes.get(rel)
+        try:
+            return int(self.fs.size(self._key(rel)))
+        except (OSError, ValueError):
+            return None
 
     def _key(self, rel: str) -> str:
         return f"{self.location.path}/{rel}"
@@ -93,9 +180,10 @@ class ObjectStoreReader(TargetReader):
 
     def manifest(self) -> dict[str, Any] | None:
         key = self._key(manifest.MANIFEST_NAME)
+        size = self._size(manifest.MANIFEST_NAME)
+        if size is None or size > MANIFEST_CAP:
+            return None
         try:
-            if self.fs.size(key) > MANIFEST_CAP:
-                return None
             raw = self.fs.cat_file(key, end=MANIFEST_CAP + 1)
         except (OSError, ValueError):
             return None
@@ -107,9 +195,8 @@ class ObjectStoreReader(TargetReader):
         # Object stores keep their own checksums; sizes are what a half-finished upload gets wrong.
         found = []
         for rel, entry in record["files"].items():
-            try:
-                size = self.fs.size(self._key(rel))
-            except (OSError, ValueError):
+            size = self._size(rel)
+            if size is None:
                 found.append(f"missing: {rel}")
                 continue
             if size != entry.get("size"):
@@ -119,30 +206,30 @@ class ObjectStoreReader(TargetReader):
     def no_manifest_problem(self) -> str:
         return f"no commit marker ({manifest.MANIFEST_NAME}) under {self.location.url()}: incomplete"
 
+    def describe_missing_manifest(self) -> str:
+        # No marker: either nothing was ever committed there, or an upload stopped before its last step.
+        try:
+            objects = [key for key in self.fs.find(self.location.path) if not key.endswith("/")]
+        except (OSError, ValueError):
+            objects = []
+        if not objects:
+            return f"missing: nothing under {self.location.url()}"
+        return (
+            f"incomplete commit: {len(objects)} object(s) under {self.location.url()} but no commit marker "
+            f"({manifest.MANIFEST_NAME}); the upload did not finish or is still running"
+        )
 
-def reader_for(location: Location) -> TargetReader:
-    return LocalReader(location) if location.is_local else ObjectStoreReader(location)
+    def is_step(self) -> bool:
+        return True  # a prefix is whatever its marker says
 
+    def file_exists(self) -> bool:
+        return bool(self.fs.exists(self.location.path))
 
-def verify(path: str | os.PathLike[str], *, check_hashes: bool = True) -> list[str]:
-    """Everything wrong with a promoted target against its manifest (empty when it is complete)."""
-    return reader_for(resolve(path)).verify(check_hashes=check_hashes)
+    def manifest_version(self) -> list[int] | None:
+        return None  # no inode to stat: a peer reads the marker
 
+    def snapshot(self) -> str:
+        return self.location.url()
 
-def is_complete(path: str | os.PathLike[str]) -> bool:
-    """True when the target has its manifest (the commit marker) and every file it lists, at its size."""
-    return not verify(path, check_hashes=False)
-
-
-def snapshot(path: str | os.PathLike[str]) -> str:
-    """The directory a reader should load from to see one consistent version.
-
-    For a ``mode="versioned"`` target this resolves the link once, to an immutable version directory
-    that stays for the grace period even if a writer publishes a newer one meanwhile; any other target
-    is returned as it is.
-    """
-    location = resolve(path)
-    if not location.is_local:
-        return location.url()
-    pointee = version_pointee(location.path)
-    return os.path.join(location.parent, pointee) if pointee is not None else location.path
+    def unlisted(self, record: dict[str, Any]) -> list[str]:
+        return []  # a commit's upload deletes what its marker does not list (replace mode)

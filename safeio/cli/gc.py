@@ -19,7 +19,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from safeio._promotion.leftovers import recover_directory, staleness
-from safeio._promotion.recovery import Action
+from safeio._promotion.recovery_records import Action
 from safeio._storage.dirfd import lstat_at
 from safeio._storage.lock_markers import read_marker, remove_if_unchanged
 from safeio._storage.names import LOCK_SUFFIX, parse

@@ -6,10 +6,9 @@ import argparse
 import os
 from typing import Any
 
-from safeio._checkpoints.checkpoints import LATEST
-from safeio._checkpoints.committed import is_committed
-from safeio._checkpoints.naming import StepNames
 from safeio._checkpoints.pointer import read_pointer
+from safeio._promotion.backends import backend_for
+from safeio._promotion.steps import LATEST, StepNames
 from safeio._storage.dirfd import held_directory, walk_files
 from safeio._storage.names import parse
 from safeio.cli._common import EXIT_OK, EXIT_PROBLEMS, existing_directory, human_bytes, print_json
@@ -63,7 +62,7 @@ def checkpoint_rows(root: str, names: list[StepNames]) -> list[dict[str, Any]]:
         step = next((s for s in steps if s is not None), None)
         if step is None or not os.path.isdir(path) or os.path.islink(path):
             continue
-        state = "committed" if is_committed(path) else "partial"
+        state = "committed" if backend_for(path).reader().committed_step() is not None else "partial"
         rows.append({"name": entry, "step": step, "state": state, "size": _size(path)})
     rows.sort(key=lambda r: (r["step"] is None, r["step"] or 0, r["name"]))
     return rows

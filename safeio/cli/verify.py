@@ -6,12 +6,10 @@ import argparse
 import sys
 from typing import Any
 
+from safeio._promotion.backends import backend_for
 from safeio._storage import manifest
-from safeio._storage.dirfd import held_directory
-from safeio._storage.location import Location, resolve
-from safeio._storage.readers import reader_for
 from safeio.cli._common import EXIT_OK, EXIT_PROBLEMS, print_json
-from safeio.cli.verify_root import is_checkpoint_root, verify_root
+from safeio.cli.verify_root import verify_root
 
 
 def add_parser(commands: Any, epilog: str) -> None:
@@ -36,22 +34,22 @@ def add_parser(commands: Any, epilog: str) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    location = resolve(args.path)  # InvalidTargetError (empty path, NUL byte) is bad input: exit 2
-    shown = location.url()
-    reader = reader_for(location)
-    if location.is_local and reader.manifest() is None and is_checkpoint_root(location.path):
-        return verify_root(location.path, args)
+    backend = backend_for(args.path)  # InvalidTargetError (empty path, NUL byte) is bad input: exit 2
+    shown = backend.url()
+    reader = backend.reader()
+    if reader.manifest() is None and backend.holds_checkpoints():
+        return verify_root(backend.location.path, args)
     problems = reader.verify(check_hashes=not args.no_hashes)
     record = reader.manifest() if reader.exists() else None
-    if problems and record is None and not location.is_local:
-        problems = [_describe_uncommitted(location)]
+    if problems and record is None and reader.exists():
+        problems = [reader.describe_missing_manifest()]
     report: dict[str, Any] = {
         "path": shown,
         "ok": not problems,
         "problems": problems,
         "files": len(record["files"]) if record else 0,
         "hashes_checked": record is not None and not args.no_hashes and _has_hashes(record),
-        "unlisted": _unlisted(location, record) if record else [],
+        "unlisted": reader.unlisted(record) if record else [],
     }
     if args.json:
         print_json(report)
@@ -62,32 +60,6 @@ def run(args: argparse.Namespace) -> int:
 
 def _has_hashes(record: dict[str, Any]) -> bool:
     return any("sha256" in entry for entry in record["files"].values())
-
-
-def _describe_uncommitted(location: Location) -> str:
-    # No marker: either nothing was ever committed there, or an upload stopped before its last step.
-    fs = location.fs
-    assert fs is not None, "only called for object-store locations"
-    try:
-        objects = [key for key in fs.find(location.path) if not key.endswith("/")]
-    except (OSError, ValueError):
-        objects = []
-    if not objects:
-        return f"missing: nothing under {location.url()}"
-    return (
-        f"incomplete commit: {len(objects)} object(s) under {location.url()} but no commit marker "
-        f"({manifest.MANIFEST_NAME}); the upload did not finish or is still running"
-    )
-
-
-def _unlisted(location: Location, record: dict[str, Any]) -> list[str]:
-    """Files present but not in the manifest: not an error (merge-mode directories may hold files other
-    tools wrote), but worth showing, since in a replace-mode target they were written in place."""
-    if not location.is_local:
-        return []
-    listed = set(record["files"])
-    with held_directory(location.path, follow=True) as fd:
-        return [rel for rel in manifest.content_files(fd) if rel not in listed]
 
 
 def _print(report: dict[str, Any]) -> None:

@@ -12,18 +12,11 @@ import argparse
 import os
 from typing import Any
 
-from safeio._checkpoints.checkpoints import LATEST
 from safeio._checkpoints.pointer import read_pointer
-from safeio._storage import manifest
-from safeio._storage.locking import lock_path_for
-from safeio._storage.readers import verify
+from safeio._promotion.backends import backend_for
+from safeio._promotion.steps import LATEST
 from safeio.cli._common import EXIT_OK, EXIT_PROBLEMS, print_json
 from safeio.cli.ls import checkpoint_rows, name_patterns
-
-
-def is_checkpoint_root(path: str) -> bool:
-    """A directory holding a ``latest`` pointer or the root lock that ``Checkpoints`` takes."""
-    return os.path.isfile(os.path.join(path, LATEST)) or os.path.lexists(lock_path_for(path, "checkpoints"))
 
 
 def verify_root(root: str, args: argparse.Namespace) -> int:
@@ -32,11 +25,11 @@ def verify_root(root: str, args: argparse.Namespace) -> int:
     for row in rows:
         if row["step"] is None:
             continue
-        path = os.path.join(root, row["name"])
-        found = verify(path, check_hashes=not args.no_hashes)
+        reader = backend_for(os.path.join(root, row["name"])).reader()
+        found = reader.verify(check_hashes=not args.no_hashes)
         row["problems"] = found
         if row["state"] != "committed" or found:
-            has_marker = manifest.read(path) is not None
+            has_marker = reader.manifest() is not None
             why = "damaged after its commit" if has_marker else "not committed (no valid marker)"
             problems.append(f"{row['name']}: {why}; latest() never resumes from it: {'; '.join(found)}")
     latest = read_pointer(os.path.join(root, LATEST))

@@ -16,17 +16,15 @@ the new link beside it and renames it over the old one.
 from __future__ import annotations
 
 import os
-import stat
 from typing import Any
 
 from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
 from lightning.pytorch.callbacks import ModelCheckpoint
 
+from safeio._promotion.backends import backend_for
 from safeio._saves.atomic import atomic_open
 from safeio._storage.claims import claimed
-from safeio._storage.dirfd import held_directory, lstat_at
-from safeio._storage.fsops import remove_at
-from safeio._storage.location import resolve
+from safeio._storage.dirfd import held_directory
 from safeio._storage.names import sibling_name
 
 __all__ = ["SafeCheckpointIO", "SafeModelCheckpoint"]
@@ -52,33 +50,12 @@ class SafeCheckpointIO(TorchCheckpointIO):
         import torch
 
         target = os.fspath(path)
-        location = resolve(target)
-        if location.is_local:
-            os.makedirs(location.parent, exist_ok=True)
+        backend_for(target).make_parent()
         with atomic_open(target, "wb", durable=self.durable) as f:
             torch.save(checkpoint, f)
 
     def remove_checkpoint(self, path: Any) -> None:
-        target = os.fspath(path)
-        location = resolve(target)
-        if not location.is_local:
-            super().remove_checkpoint(target)
-            return
-        name = location.name
-        with held_directory(location.parent, follow=True) as parent_fd:
-            st = lstat_at(parent_fd, name)
-            if st is None:
-                return
-            if stat.S_ISLNK(st.st_mode):  # a link (last.ckpt): the link goes, never what it points to
-                os.unlink(name, dir_fd=parent_fd)
-            else:
-                # Renamed aside first: a reader (a resume, an evaluation job) never opens a half-removed
-                # checkpoint under its name; what a crash leaves is a leftover `safeio gc` removes.
-                with claimed(sibling_name(name, "tmp")) as aside:
-                    os.rename(name, aside, src_dir_fd=parent_fd, dst_dir_fd=parent_fd)
-                    remove_at(parent_fd, aside, what="removed checkpoint")
-            if self.durable:
-                os.fsync(parent_fd)
+        backend_for(os.fspath(path)).remove_file(durable=self.durable)
 
 
 class SafeModelCheckpoint(ModelCheckpoint):

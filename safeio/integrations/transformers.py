@@ -33,9 +33,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from safeio._checkpoints.checkpoints import Checkpoints
-from safeio._checkpoints.committed import is_committed
-from safeio._checkpoints.naming import StepNames
-from safeio._errors import UnsupportedSaveError
+from safeio._errors import InvalidTargetError, UnsupportedSaveError
 from safeio._promotion import active
 
 __all__ = ["CheckpointsTrainerMixin", "get_last_checkpoint"]  # and SafeTrainer, built on first use
@@ -48,18 +46,8 @@ def get_last_checkpoint(folder: str | os.PathLike[str]) -> str | None:
     marker present, every listed file at its size): a half-written ``checkpoint-N`` is never resumed.
     Each process reads the directory itself; inside a job prefer ``train(resume_from_checkpoint=True)``
     with the mixin, where every rank gets the writer's answer."""
-    root = os.fspath(folder)
-    names = StepNames(PREFIX, root)
-    try:
-        entries = os.listdir(root)
-    except FileNotFoundError:
-        return None
-    found = [
-        (step, entry)
-        for entry in entries
-        if (step := names.parse(entry)) is not None and is_committed(os.path.join(root, entry))
-    ]
-    return os.path.join(root, max(found)[1]) if found else None
+    committed = Checkpoints(folder, keep=None, name=PREFIX).committed()
+    return os.path.join(os.fspath(folder), committed[-1][1]) if committed else None
 
 
 def _check_trainer(cls: type) -> None:
@@ -93,10 +81,12 @@ class CheckpointsTrainerMixin:
         super().__init__(*args, **kwargs)
 
     def safeio_checkpoints(self, run_dir: str | None = None) -> Checkpoints:
-        """The ``Checkpoints`` of a run directory (default: ``args.output_dir``)."""
+        """The ``Checkpoints`` of a run directory (default: ``args.output_dir``); retention keeps the
+        newest ``save_total_limit`` committed checkpoints."""
         return Checkpoints(
             run_dir if run_dir is not None else self.args.output_dir,
-            keep=None,  # set per save in _save_checkpoint: save_total_limit, the best model kept
+            # transformers keeps every checkpoint for a limit of None or 0 or less
+            keep=limit if (limit := self.args.save_total_limit) and limit > 0 else None,
             name=PREFIX,
             timeout=self.safeio_timeout,
         )
@@ -105,8 +95,10 @@ class CheckpointsTrainerMixin:
         if resume_from_checkpoint is True:
             found = self.safeio_checkpoints().latest()  # collective: every rank gets the same answer
             if found is None:
-                raise ValueError(
-                    f"No committed checkpoint found in output directory ({self.args.output_dir})"
+                # transformers raises ValueError here; InvalidTargetError is one, and a SafeIOError
+                raise InvalidTargetError(
+                    f"No committed checkpoint found in output directory ({self.args.output_dir})",
+                    self.args.output_dir,
                 )
             resume_from_checkpoint = found.path
         return super().train(resume_from_checkpoint, *args, **kwargs)  # type: ignore[misc]
@@ -116,11 +108,8 @@ class CheckpointsTrainerMixin:
         ckpts = self.safeio_checkpoints(run_dir)
         step = self.state.global_step
         folder = PREFIX.format(step=step)
-        limit = self.args.save_total_limit
-        if limit is not None and self.state.best_model_checkpoint:
-            ckpts.storage.protected = {os.path.basename(self.state.best_model_checkpoint)}
-        ckpts.storage.keep = limit
-        with ckpts.save(step) as ckpt, _viewed_as(ckpt.path, folder) as view:
+        best = self.state.best_model_checkpoint
+        with ckpts.save(step, protect=[best] if best else []) as ckpt, _viewed_as(ckpt.path, folder) as view:
             # An instance attribute for the duration: the Trainer's method builds its directory from it.
             self._get_output_dir = lambda trial=None: view
             try:

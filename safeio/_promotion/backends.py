@@ -1,0 +1,271 @@
+"""Where a target lives, decided once: one back end per kind of location makes everything that differs.
+
+Like fsspec's one ``AbstractFileSystem`` per protocol, asked and never tested for its kind: the back end
+made when a target or root is resolved gives the directory promotion, the single-file promotion, the
+reader (versions, verification, committed steps, what a peer checks), the steps of a ``Checkpoints``
+root, and the few file operations the integrations need. This module (with ``safeio._storage.location``,
+which parses a path or URL) is the only place that branches on the kind of location;
+``tests/test_layout.py`` pins it.
+
+| location | back end | directories | steps |
+| --- | --- | --- | --- |
+| a local path (NFS, Lustre, FUSE too) | ``PosixBackend`` | by mode, below | ``LocalSteps`` |
+| any other fsspec URL (``s3://``...) | ``ObjectStoreBackend`` | ``CommitMarker`` | ``ObjectSteps`` |
+
+On POSIX, the behaviour by mode (orbax's mode-to-class map):
+
+| mode | behaviour |
+| --- | --- |
+| ``versioned``, or the target is already a version link | ``Versioned`` |
+| ``merge`` | ``Merge`` |
+| ``replace``, ``error`` | ``ExchangeRename``; ``RenameAside`` where exchange is refused or |
+| | ``SAFEIO_NO_EXCHANGE=1`` |
+
+A new kind of location is one subclass of ``Backend`` (its abstract methods say what it must make; a
+forgotten one fails when it is instantiated) naming its fsspec ``protocols``, plus its behaviour classes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import stat
+from abc import ABC, abstractmethod
+from typing import Any, ClassVar
+
+from safeio._options import SaveOptions, exchange_disabled
+from safeio._promotion import capabilities
+from safeio._promotion.aside import RenameAside
+from safeio._promotion.atomic_file import AtomicFile, FilePromotion, UploadedFile
+from safeio._promotion.base import FilesCheck, PhaseHook, Promotion
+from safeio._promotion.commit_marker import CommitMarker
+from safeio._promotion.exchange import ExchangeRename
+from safeio._promotion.leftovers import recover_target
+from safeio._promotion.local import LocalPromotion
+from safeio._promotion.merge import Merge
+from safeio._promotion.step_directories import ROOT_LOCK, LocalSteps
+from safeio._promotion.step_prefixes import ObjectSteps
+from safeio._promotion.steps import LATEST, StepNames, StepStorage
+from safeio._promotion.versioned import Versioned
+from safeio._storage.claims import claimed
+from safeio._storage.dirfd import held_directory, lstat_at
+from safeio._storage.fsops import remove_at
+from safeio._storage.location import Location, resolve
+from safeio._storage.locking import lock_path_for
+from safeio._storage.names import sibling_name
+from safeio._storage.readers import LocalReader, ObjectStoreReader, TargetReader, is_version_link
+
+
+class Backend(ABC):
+    """Everything that differs by where ``location`` lives."""
+
+    # fsspec protocols this back end serves (``PosixBackend`` serves local paths, ``ObjectStoreBackend``
+    # every protocol no other back end names).
+    protocols: ClassVar[tuple[str, ...]] = ()
+
+    def __init__(self, location: Location) -> None:
+        self.location = location
+
+    def url(self) -> str:
+        return self.location.url()
+
+    # -- the writing side ----------------------------------------------------------------------------
+
+    @abstractmethod
+    def promotion(
+        self,
+        options: SaveOptions,
+        *,
+        rank: int,
+        call_id: str,
+        on_phase: PhaseHook | None = None,
+        check_files: FilesCheck | None = None,
+    ) -> Promotion:
+        """The writer's promotion of a directory target with ``options``."""
+
+    @abstractmethod
+    def file_promotion(
+        self, *, exclusive: bool, durable: bool, on_phase: PhaseHook | None = None
+    ) -> FilePromotion:
+        """The writer's promotion of a single-file target."""
+
+    @abstractmethod
+    def steps(
+        self,
+        names: StepNames,
+        options: SaveOptions,
+        *,
+        keep: int | None,
+        megatron_tracker: bool = False,
+    ) -> StepStorage:
+        """The steps of a ``Checkpoints`` root at this location."""
+
+    @abstractmethod
+    def make_parent(self) -> None:
+        """Make the target's parent directory where directories exist (a file save needs one)."""
+
+    @abstractmethod
+    def remove_file(self, *, durable: bool) -> None:
+        """Remove a single-file target (or link) so that no reader ever opens it half removed."""
+
+    # -- the reading side ----------------------------------------------------------------------------
+
+    @abstractmethod
+    def reader(self) -> TargetReader:
+        """Reads what the target holds (manifest, completeness, committed step, version)."""
+
+    @abstractmethod
+    def holds_checkpoints(self) -> bool:
+        """Whether the target looks like a ``Checkpoints`` root (``safeio verify`` checks every step)."""
+
+
+class PosixBackend(Backend):
+    """A local POSIX path: local disk, tmpfs, NFS, Lustre, FUSE. Staged beside the target, renamed."""
+
+    def promotion(
+        self,
+        options: SaveOptions,
+        *,
+        rank: int,
+        call_id: str,
+        on_phase: PhaseHook | None = None,
+        check_files: FilesCheck | None = None,
+    ) -> Promotion:
+        behaviour = self.directory_behaviour(options.mode)
+        return behaviour(
+            self.location,
+            options,
+            rank=rank,
+            call_id=call_id,
+            recover=recover_target,
+            on_phase=on_phase,
+            check_files=check_files,
+        )
+
+    def directory_behaviour(self, mode: str) -> type[LocalPromotion]:
+        if mode == "versioned" or is_version_link(self.location.path):
+            return Versioned
+        if mode == "merge":
+            return Merge
+        if exchange_disabled() or self._exchange_known_refused():
+            return RenameAside
+        return ExchangeRename
+
+    def _exchange_known_refused(self) -> bool:
+        with contextlib.suppress(OSError):
+            return capabilities.exchange_refused(os.stat(self.location.parent).st_dev)
+        return False  # the parent does not exist yet: ExchangeRename measures once it does
+
+    def file_promotion(
+        self, *, exclusive: bool, durable: bool, on_phase: PhaseHook | None = None
+    ) -> FilePromotion:
+        return AtomicFile(self.location, exclusive=exclusive, durable=durable, on_phase=on_phase)
+
+    def steps(
+        self,
+        names: StepNames,
+        options: SaveOptions,
+        *,
+        keep: int | None,
+        megatron_tracker: bool = False,
+    ) -> StepStorage:
+        return LocalSteps(self.location, names, options, keep=keep, megatron_tracker=megatron_tracker)
+
+    def make_parent(self) -> None:
+        os.makedirs(self.location.parent, exist_ok=True)
+
+    def remove_file(self, *, durable: bool) -> None:
+        name = self.location.name
+        with held_directory(self.location.parent, follow=True) as parent_fd:
+            st = lstat_at(parent_fd, name)
+            if st is None:
+                return
+            if stat.S_ISLNK(st.st_mode):  # a link: the link goes, never what it points to
+                os.unlink(name, dir_fd=parent_fd)
+            else:
+                # Renamed aside first: a reader (a resume, an evaluation job) never opens a half-removed
+                # file under its name; what a crash leaves is a leftover `safeio gc` removes.
+                with claimed(sibling_name(name, "tmp")) as aside:
+                    os.rename(name, aside, src_dir_fd=parent_fd, dst_dir_fd=parent_fd)
+                    remove_at(parent_fd, aside, what="removed checkpoint")
+            if durable:
+                os.fsync(parent_fd)
+
+    def reader(self) -> TargetReader:
+        return LocalReader(self.location)
+
+    def holds_checkpoints(self) -> bool:
+        path = self.location.path
+        return os.path.isfile(os.path.join(path, LATEST)) or os.path.lexists(lock_path_for(path, ROOT_LOCK))
+
+
+class ObjectStoreBackend(Backend):
+    """Any fsspec filesystem that is not local: no rename, but a PUT replaces an object whole, so a set
+    of objects is committed by a marker written last."""
+
+    def promotion(
+        self,
+        options: SaveOptions,
+        *,
+        rank: int,
+        call_id: str,
+        on_phase: PhaseHook | None = None,
+        check_files: FilesCheck | None = None,
+    ) -> Promotion:
+        return CommitMarker(
+            self.location, options, rank=rank, call_id=call_id, on_phase=on_phase, check_files=check_files
+        )
+
+    def file_promotion(
+        self, *, exclusive: bool, durable: bool, on_phase: PhaseHook | None = None
+    ) -> FilePromotion:
+        return UploadedFile(self.location, exclusive=exclusive, durable=durable, on_phase=on_phase)
+
+    def steps(
+        self,
+        names: StepNames,
+        options: SaveOptions,
+        *,
+        keep: int | None,
+        megatron_tracker: bool = False,
+    ) -> StepStorage:
+        return ObjectSteps(self.location, names, options, keep=keep, megatron_tracker=megatron_tracker)
+
+    def make_parent(self) -> None:
+        pass  # prefixes need no directory
+
+    def remove_file(self, *, durable: bool) -> None:
+        del durable  # a DELETE is as durable as the store makes it
+        fs: Any = self.location.fs
+        if fs.exists(self.location.path):
+            fs.rm(self.location.path, recursive=True)
+
+    def reader(self) -> TargetReader:
+        return ObjectStoreReader(self.location)
+
+    def holds_checkpoints(self) -> bool:
+        return False  # ``safeio verify`` checks one prefix at a time on object stores
+
+
+def backend_for(target: str | os.PathLike[str] | Location) -> Backend:
+    """The back end of ``target`` (a path, ``pathlib.Path``, fsspec URL, or a resolved Location)."""
+    location = target if isinstance(target, Location) else resolve(target)
+    if location.fs is None:
+        return PosixBackend(location)
+    protocols = location.fs.protocol
+    served = {protocols} if isinstance(protocols, str) else set(protocols)
+    for kind in _registered(Backend.__subclasses__()):
+        if served & set(kind.protocols):
+            return kind(location)
+    return ObjectStoreBackend(location)
+
+
+def _registered(subclasses: list[type[Backend]]) -> list[type[Backend]]:
+    """Every back end below ``subclasses`` that names protocols, most derived first (a test's subclass
+    of ``ObjectStoreBackend`` wins over it)."""
+    found: list[type[Backend]] = []
+    for sub in subclasses:
+        found.extend(_registered(sub.__subclasses__()))
+        if sub.protocols:
+            found.append(sub)
+    return found

@@ -1,0 +1,202 @@
+"""Checkpoint steps on an object store (``s3://``, any fsspec URL): each step written in place, committed
+by its marker, then ``latest``.
+
+There is no rename on an object store, and no need for one: a PUT replaces an object whole and a
+listing shows only whole objects. So every rank writes its part straight under the step's prefix
+(``dcp.save`` to ``s3://bucket/run/step_5``); the writer's replicated files (tokenizer, trainer state)
+are written to node-local scratch in the body and uploaded at the commit. The commit (``StepMarker``'s
+``finish``, the promotion flow of any save) lists the prefix, writes the manifest of every object last —
+the commit marker — and then the ``latest`` pointer object. A step without its marker is never a
+checkpoint: ``latest()`` ignores it.
+
+An in-progress object (``.safeio-in-progress``) written first says the prefix is this layer's own work:
+a save of the same step after a crash removes the leftovers of the interrupted one; a prefix holding
+objects without it is someone else's, and is refused. Retention takes a step's marker down first (the
+step stops being a checkpoint at once), then deletes its objects. Object stores have no locks: two jobs
+saving into one root at the same time are not excluded (as for every object-store save of safeio).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import shutil
+import time
+from collections.abc import Iterable
+from typing import Any
+
+from safeio._boundary import mapped
+from safeio._errors import InvalidTargetError, TargetExistsError
+from safeio._promotion.steps import LATEST, MEGATRON_TRACKER, StepNames, StepPromotion, StepStorage
+from safeio._storage import manifest
+from safeio._storage.dirfd import held_directory
+from safeio._storage.location import Location
+from safeio._storage.readers import ObjectStoreReader
+from safeio._who import who
+
+logger = logging.getLogger("safeio")
+
+IN_PROGRESS = ".safeio-in-progress"
+
+
+class StepMarker(StepPromotion):
+    """One step's commit on an object store. Its ``stage`` is the writer's local scratch (replicated
+    files, uploaded at the commit); every rank's sharded files are under the prefix already."""
+
+    def __init__(
+        self, location: Location, *, steps: ObjectSteps, protect: frozenset[str], **save: Any
+    ) -> None:
+        super().__init__(location, **save)
+        self.steps = steps
+        self._protect = protect
+        self.stage_name = location.name  # written in place: the step's own prefix is its stage
+
+    @property
+    def fs(self) -> Any:
+        return self.location.fs
+
+    @property
+    def prefix(self) -> str:
+        return self.location.path
+
+    def open_stage(self) -> str:
+        url = self.location.url()
+        with mapped(f"cannot open the stage of step {self.step} under {self.steps.root_url}", url):
+            objects = self.steps.listing().get(self.stage_name, {})
+            if objects:
+                if self.steps.reader(self.stage_name, objects).committed_step() is not None:
+                    raise TargetExistsError(f"step {self.step} is already committed at {url}", url)
+                if IN_PROGRESS not in objects:
+                    raise InvalidTargetError(
+                        f"{url} holds objects and is not a committed checkpoint (safeio never deletes "
+                        "what it did not write): move them away, or save another step",
+                        url,
+                    )
+                # An interrupted save of this very step (this layer's in-progress object, no marker).
+                logger.warning(
+                    "%s: removing %d object(s) an interrupted save of step %d left under %s",
+                    who(),
+                    len(objects),
+                    self.step,
+                    url,
+                )
+                self.fs.rm(self.prefix, recursive=True)
+            owner = {"host": os.uname().nodename, "pid": os.getpid(), "time": time.time()}
+            self.fs.pipe_file(f"{self.prefix}/{IN_PROGRESS}", json.dumps(owner).encode())
+        return url
+
+    def _prepare(self, stage: str) -> dict[str, dict[str, Any]]:
+        if stage:  # the writer's replicated files, from its scratch
+            with held_directory(stage) as fd:  # this rank's own scratch on node-local disk
+                files = manifest.describe_files(fd, hashes=False)
+            for rel in files:
+                self.fs.put_file(os.path.join(stage, *rel.split("/")), f"{self.prefix}/{rel}")
+        objects = self.steps.listing().get(self.stage_name, {})
+        objects.pop(IN_PROGRESS, None)
+        if manifest.MANIFEST_NAME in objects:
+            url = self.location.url()
+            raise TargetExistsError(f"step {self.step} got a commit marker meanwhile at {url}", url)
+        return {rel: {"size": size} for rel, size in sorted(objects.items())}
+
+    def _promote(self, stage: str, entries: dict[str, dict[str, Any]]) -> None:
+        record = self.manifest_record(entries, None)
+        self.fs.pipe_file(f"{self.prefix}/{manifest.MANIFEST_NAME}", manifest.dumps(record))
+        self.fs.rm_file(f"{self.prefix}/{IN_PROGRESS}")
+        self.steps.point_and_retain((int(self.step or 0), self.stage_name), self._protect)
+
+    def discard(self, stage: str) -> None:
+        # Without its marker it is never a checkpoint; if this fails, the next save of the step removes it.
+        with contextlib.suppress(OSError, ValueError):
+            self.fs.rm(self.prefix, recursive=True)
+        if stage:
+            shutil.rmtree(stage, ignore_errors=True)
+
+
+class ObjectSteps(StepStorage):
+    """The steps of a checkpoint root on an object store."""
+
+    in_place_replicated = False  # the writer's replicated files are uploaded at the commit
+
+    def __init__(self, location: Location, names: StepNames, *args: Any, **kwargs: Any) -> None:
+        super().__init__(names, *args, **kwargs)
+        self.fs: Any = location.fs
+        self.location = location
+        self.prefix = location.path
+        self.root_url = location.url()
+
+    def url(self, name: str) -> str:
+        return self.location.url(self._key(name))
+
+    def _key(self, name: str) -> str:
+        return f"{self.prefix}/{name}"
+
+    def _location(self, name: str) -> Location:
+        return Location(self.url(name), self._key(name), self.fs)
+
+    def reader(self, name: str, sizes: dict[str, int] | None = None) -> ObjectStoreReader:
+        return ObjectStoreReader(self._location(name), sizes=sizes)
+
+    def listing(self) -> dict[str, dict[str, int]]:
+        """step name -> {relative key: size} of everything under the root (one LIST, fresh)."""
+        self.fs.invalidate_cache(self.prefix)
+        steps: dict[str, dict[str, int]] = {}
+        try:
+            found = self.fs.find(self.prefix, detail=True)
+        except FileNotFoundError:
+            return steps
+        for key, info in found.items():
+            rel = key[len(self.prefix) + 1 :] if key.startswith(self.prefix + "/") else ""
+            name, _, inner = rel.partition("/")
+            if inner and info.get("type", "file") == "file":
+                steps.setdefault(name, {})[inner] = int(info.get("size") or 0)
+        return steps
+
+    def committed(self) -> list[tuple[int, str]]:
+        with mapped(f"cannot list {self.root_url}", self.root_url):
+            found = []
+            for name, objects in self.listing().items():
+                step = self.names.parse(name)
+                if step is not None and self.reader(name, objects).committed_step() is not None:
+                    found.append((step, name))
+        return sorted(found)
+
+    # -- the writer ----------------------------------------------------------------------------------
+
+    def promotion(self, step: int, *, rank: int, protect: Iterable[str] = ()) -> StepPromotion:
+        return StepMarker(
+            self._location(self.names.format(step)),
+            steps=self,
+            protect=frozenset(protect),
+            options=self.options,
+            rank=rank,
+            call_id=f"checkpoint/{step}",
+            step=step,
+        )
+
+    def point_and_retain(self, just_committed: tuple[int, str], protect: frozenset[str]) -> None:
+        committed = self.committed()
+        # latest first, then retention: a crash in between leaves a pointer to a whole step.
+        step, name = committed[-1] if committed else just_committed
+        self.fs.pipe_file(self._key(LATEST), name.encode())
+        if self.megatron_tracker:
+            self.fs.pipe_file(self._key(MEGATRON_TRACKER), str(step).encode())
+        for name in self.retired(committed, protect):
+            # The marker first: from then on the step is not a checkpoint, whatever is left of it.
+            self.fs.rm_file(f"{self._key(name)}/{manifest.MANIFEST_NAME}")
+            self.fs.rm(self._key(name), recursive=True)
+
+    # -- every rank ----------------------------------------------------------------------------------
+
+    def stage_visible(self, stage_name: str) -> bool:
+        return True  # a prefix needs no directory to exist
+
+    def step_visible(self, name: str) -> bool:
+        """Whether this rank reads the step's marker (object stores are consistent after a PUT; the
+        check is what makes a stale client cache impossible to return through)."""
+        self.fs.invalidate_cache(self._key(name))
+        try:
+            return bool(self.fs.exists(f"{self._key(name)}/{manifest.MANIFEST_NAME}"))
+        except (OSError, ValueError):
+            return False

@@ -67,7 +67,8 @@ def test_whole_checkpoints_on_ranks_through_the_new_back_end(tmp_path: Path) -> 
         assert r.value["tokenizer_version"].endswith("v3"), r
     run = tmp_path / "run"
     assert (run / "latest").read_text() == "step_3"
-    assert sorted(os.listdir(run)) == ["latest", "step_2", "step_3"]  # no stage: written in place
+    # No stage: written in place. The sequence of the last commit beside the pointer.
+    assert sorted(os.listdir(run)) == [".checkpoints.safeio.sequence", "latest", "step_2", "step_3"]
     names = os.listdir(run / "step_3")
     assert len([n for n in names if n.endswith(".distcp")]) == 4  # every rank's shard, committed
     assert ".safeio-in-progress" not in names and "tokenizer.json" in names and "trainer_state.pt" in names

@@ -131,7 +131,8 @@ def test_dcp_tokenizer_and_state_on_s3(s3: dict[str, str]) -> None:
     fs = s3fs.S3FileSystem(endpoint_url=s3["FSSPEC_S3_ENDPOINT_URL"], key="x", secret="x")
     prefix = f"{s3['BUCKET']}/run"
     assert fs.cat_file(f"{prefix}/latest") == b"step_3"
-    assert sorted(k.rsplit("/", 1)[-1] for k in fs.ls(prefix)) == ["latest", "step_2", "step_3"]
+    listed = sorted(k.rsplit("/", 1)[-1] for k in fs.ls(prefix))
+    assert listed == [".checkpoints.safeio.sequence", "latest", "step_2", "step_3"]
     names = [k.rsplit("/", 1)[-1] for k in fs.find(f"{prefix}/step_3")]
     assert len([n for n in names if n.endswith(".distcp")]) == 4  # every rank's shard, committed
     assert ".safeio-in-progress" not in names and "tokenizer.json" in names and "trainer_state.pt" in names
@@ -494,7 +495,8 @@ def test_verify_and_gc_understand_a_checkpoint_root(tmp_path: Path) -> None:
     # gc removes the dead writer's stage and nothing else: committed and partial steps stay.
     done = cli("gc", str(root))
     assert done.returncode == 0, done.stdout + done.stderr
-    assert sorted(n for n in os.listdir(root) if not n.endswith(".lock")) == [
+    # (the root's lock and the sequence of its commits are the root's own bookkeeping)
+    assert sorted(n for n in os.listdir(root) if not n.startswith(".checkpoints.safeio.")) == [
         "latest",
         "step_1",
         "step_2",

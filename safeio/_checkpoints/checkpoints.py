@@ -22,6 +22,7 @@ once the future completes (see ``PendingCommit``).
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import shutil
 import tempfile
@@ -35,13 +36,16 @@ from safeio._checkpoints.pending import PendingCommit, check_future
 from safeio._coordination.calls import StoreGone, poll_until
 from safeio._coordination.checkpoint_call import CheckpointCall
 from safeio._coordination.group import Group, resolve_group
-from safeio._errors import CheckpointError, InvalidOptionError, PeerTimeout
+from safeio._errors import CheckpointError, InvalidOptionError, InvalidTargetError, PeerTimeout
 from safeio._options import SaveOptions
 from safeio._promotion import active
 from safeio._promotion.backends import backend_for
 from safeio._promotion.steps import LATEST, MEGATRON_TRACKER, StepNames, StepPromotion, check_step
+from safeio._who import who
 
 __all__ = ["LATEST", "MEGATRON_TRACKER", "Checkpoint", "CheckpointStage", "Checkpoints"]
+
+logger = logging.getLogger("safeio")
 
 
 @dataclass(frozen=True)
@@ -60,6 +64,12 @@ class CheckpointStage:
         self.step = save.step
         self.path = path
         self.is_writer = is_writer
+
+    @property
+    def warnings(self) -> list[str]:
+        """After the commit, on every rank: what failed after the commit point without undoing it (the
+        ``latest`` pointer, retention), each with its repair. Empty when all went well."""
+        return list(self._save.warnings)
 
     def commit_after(self, future: Any) -> None:
         """Commit when ``future`` completes, not when the ``with`` block ends: for ``dcp.async_save``
@@ -111,8 +121,11 @@ class Checkpoints:
         """Wait for the commit of an async save (``ckpt.commit_after``); raise if it failed. Every rank
         calls it before the job ends (``save``, ``latest()`` and ``steps()`` call it first)."""
         pending, self._pending = self._pending, None
-        if pending is not None:
-            pending.wait()
+        try:
+            if pending is not None:
+                pending.wait()
+        finally:
+            self._steps.join_deletions()  # retired steps' deletion, started after the last commit
 
     def _commit_later(self, pending: PendingCommit) -> None:
         """An async save's commit now runs on its own thread; the next collective call waits for it."""
@@ -130,34 +143,72 @@ class Checkpoints:
         return self._steps.url(name)
 
     def latest(self) -> Checkpoint | None:
-        """The newest committed checkpoint, the same on every rank, visible from each when it returns."""
+        """The most recent commit (not the highest step number: after a rollback to step 10 and a save of
+        15, it is 15), the same on every rank, visible from each when it returns; None when there is
+        none. Only steps this user committed count."""
         self.wait()
-        committed = self._agree("latest()", lambda: self.committed()[-1:])
+
+        def here() -> list[tuple[int, str]]:
+            found = self._steps.latest()
+            return [(found.step, found.name)] if found is not None else []
+
+        committed = self._agree("latest()", here)
         if not committed:
             return None
         step, entry = committed[0]
         return Checkpoint(step, self._steps.url(entry))
 
+    def at(self, step: int) -> Checkpoint:
+        """Committed step ``step``, to resume from on purpose (a rollback), agreed by every rank like
+        ``latest()``; ``InvalidTargetError`` naming the committed steps when it is not one. Saving after
+        it makes the new step the latest."""
+        self.wait()
+        check_step(step, self.root)
+        name = self.names.format(step)
+
+        def here() -> list[tuple[int, str]]:
+            if self._steps.committed_step(name) is None:
+                steps = ", ".join(str(s) for s, _ in self._steps.committed()) or "none"
+                raise InvalidTargetError(
+                    f"step {step} is not a committed checkpoint under {self.root} (committed steps: {steps})",
+                    self._steps.url(name),
+                )
+            return [(step, name)]
+
+        self._agree(f"at({step})", here)
+        return Checkpoint(step, self._steps.url(name))
+
     def steps(self) -> list[int]:
-        """Every committed step, ascending, the same on every rank."""
+        """Every committed step of this user, by number (ascending), the same on every rank. The order of
+        commits is ``latest()``'s business: after a rollback the newest commit need not be the last."""
         self.wait()
         return [step for step, _ in self._agree("steps()", self.committed)]
 
     def _agree(self, what: str, resolve_here: Callable[[], list[tuple[int, str]]]) -> list[tuple[int, str]]:
+        """The writer resolves, every rank gets its answer (or its error), visible from each."""
         group = self.group()
         call = CheckpointCall(group, self.root, what)
         deadline = time.monotonic() + self.options.timeout
         if group.is_writer:
-            found = [(int(s), str(n)) for s, n in resolve_here()]
+            try:
+                found = [(int(s), str(n)) for s, n in resolve_here()]
+            except InvalidTargetError as exc:
+                call.decide({"ok": False, "error": str(exc), "path": exc.path})
+                raise
             call.decide({"ok": True, "found": found})
         elif call.shared:
             try:
-                heard = call.hear_outcome(deadline).get("found", [])
+                heard = call.hear_outcome(deadline)
             except StoreGone:
                 # Rank 0, the store's host, answered and finished (the end of a run): the filesystem
                 # is all that is left to ask.
-                heard = resolve_here()
-            found = [(int(s), str(n)) for s, n in heard]
+                heard = {"ok": True, "found": resolve_here()}
+            if not heard.get("ok"):
+                path = heard.get("path")
+                raise InvalidTargetError(
+                    str(heard.get("error")), path if isinstance(path, str) else self.root
+                )
+            found = [(int(s), str(n)) for s, n in heard.get("found", [])]
         else:
             found = [(int(s), str(n)) for s, n in resolve_here()]
         for _, entry in found:
@@ -189,6 +240,7 @@ class CheckpointSave:
         self.final_name = checkpoints.names.format(step)
         self.final = checkpoints.path_of(self.final_name)
         self.stage_name = ""
+        self.warnings: list[str] = []  # what failed after the commit point (see CheckpointStage.warnings)
         self._future: Any = None
         self._promotion: StepPromotion | None = None
         self._stage = ""
@@ -293,7 +345,15 @@ class CheckpointSave:
             return
         if not outcome.get("ok"):
             raise _failure(outcome, rank, self.step, self.final)
+        self._note_warnings(outcome.get("warnings"))
         self.ckpts._wait_visible(self.final_name, deadline, rank, what, stage=False)
+
+    def _note_warnings(self, warnings: object) -> None:
+        if not isinstance(warnings, list):
+            return
+        self.warnings = [str(w) for w in warnings]
+        for warning in self.warnings:
+            logger.warning("%s: %s", who(self.group.rank), warning)
 
     # -- the writer ----------------------------------------------------------------------------------
 
@@ -316,14 +376,16 @@ class CheckpointSave:
             raise _failure(outcome, rank, self.step, self.final)
         try:
             # The stage the writer's replicated files are in: the shared one, or scratch (uploaded).
-            promotion.finish(self._scratch or self._stage)
+            promoted = promotion.finish(self._scratch or self._stage)
         except BaseException as commit_error:
             _abandon(promotion)
             self.call.decide(
                 {"ok": False, "failed": {str(rank): f"{type(commit_error).__name__}: {commit_error}"}}
             )
             raise
-        self.call.decide({"ok": True, "path": self.final})
+        # Committed: what failed after the commit point is a warning every rank hears, never a failure.
+        self.call.decide({"ok": True, "path": self.final, "warnings": list(promoted.warnings)})
+        self._note_warnings(list(promoted.warnings))
 
 
 def _abandon(promotion: StepPromotion) -> None:

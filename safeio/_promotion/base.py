@@ -49,6 +49,9 @@ class Promoted:
 
     version: list[int] | None = None
     replaced: list[int] | None = None
+    # What failed after the commit point without undoing it (a checkpoint's pointer, its retention): the
+    # target is promoted; these say what to repair.
+    warnings: tuple[str, ...] = ()
 
 
 class Promotion(ABC):
@@ -70,12 +73,14 @@ class Promotion(ABC):
         self.rank = rank
         self.call_id = call_id
         self.step = step  # a checkpoint's step, recorded in its marker
+        self.sequence: int | None = None  # a checkpoint's place in commit order, given before its commit
         self._on_phase = on_phase
         self._check_files = check_files
         self._started = time.monotonic()  # peers' waits began about now (see lock_timeout)
         self._result: Any = None  # the body's result (JSON form), recorded in the manifest
         self.version: list[int] | None = None  # the promoted manifest's ``manifest.version_of``, if local
         self.replaced: list[int] | None = None  # the same of the version it replaced (None: none)
+        self.warnings: list[str] = []  # see Promoted.warnings
 
     # -- the flow ----------------------------------------------------------------------------------
 
@@ -97,7 +102,7 @@ class Promotion(ABC):
                     self.phase("promote")
                     self._promote(stage, entries)
         logger.debug("%s: promoted %s (mode %s)", who(self.rank), target, self.options.mode)
-        return Promoted(self.version, self.replaced)
+        return Promoted(self.version, self.replaced, tuple(self.warnings))
 
     @abstractmethod
     def discard(self, stage: str) -> None:
@@ -155,4 +160,6 @@ class Promotion(ABC):
         )
         if self.step is not None:
             record["step"] = self.step
+        if self.sequence is not None:
+            record["sequence"] = self.sequence
         return record

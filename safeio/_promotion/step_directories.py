@@ -2,35 +2,47 @@
 
 The writer makes ``.step_N.safeio-stage-<owner>`` beside the step's final name (``StepRename.open_stage``,
 the same stage any directory save makes); every rank writes its part there. The commit is that
-promotion's ``finish``: the stage is checked to be the directory the writer made, its modes settled, the
-manifest of every file written last with the step in it (the marker), fsynced as configured, and under
-the root's lock (``.checkpoints.safeio.lock``, the ``lock`` option) renamed to ``step_N``; then
-``latest`` is pointed at the newest committed step and retention applied, still under the lock. Stages
-of crashed saves are removed by the next save (or ``safeio gc``), never one whose owner may be alive.
+promotion's ``finish``: the stage is checked to be the directory the writer made, its modes settled, and
+under the root's lock (``.checkpoints.safeio.lock``, the ``lock`` option) the next sequence number is
+given (``.checkpoints.safeio.sequence``), the manifest of every file written last with the step and the
+sequence in it (the marker), fsynced as configured, and the stage renamed to ``step_N``: the commit
+point. Then, still under the lock, ``latest`` is pointed at it and retired steps are renamed aside; they
+are deleted after, on a background thread, without the lock. A failure after the rename is a warning:
+the step is committed. Stages of crashed saves are removed by the next save (or ``safeio gc``), never
+one whose owner may be alive.
 """
 
 from __future__ import annotations
 
-import functools
+import contextlib
 import os
 import stat
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from typing import Any
 
 from safeio._boundary import os_failure
-from safeio._errors import InvalidTargetError, TargetExistsError
+from safeio._errors import InvalidTargetError, SafeIOError, TargetExistsError
 from safeio._promotion.atomic_file import AtomicFile
 from safeio._promotion.leftovers import recover_directory, recover_target
 from safeio._promotion.local import LocalPromotion
-from safeio._promotion.steps import LATEST, MEGATRON_TRACKER, StepNames, StepPromotion, StepStorage
-from safeio._storage.claims import claimed
+from safeio._promotion.steps import (
+    LATEST,
+    MEGATRON_TRACKER,
+    SEQUENCE,
+    CommittedStep,
+    StepNames,
+    StepPromotion,
+    StepStorage,
+)
+from safeio._storage import claims
 from safeio._storage.dirfd import held_directory, lstat_at
 from safeio._storage.fsops import remove_at
 from safeio._storage.location import Location
 from safeio._storage.names import sibling_name
-from safeio._storage.readers import LocalReader
+from safeio._storage.readers import LocalReader, read_pointer
 
 ROOT_LOCK = "checkpoints"  # one promotion lock per root: ``.checkpoints.safeio.lock``
+_SEQUENCE_CAP = 64  # bytes: a decimal number
 
 
 class StepRename(LocalPromotion, StepPromotion):
@@ -39,24 +51,37 @@ class StepRename(LocalPromotion, StepPromotion):
     hashes_when_durable = False
 
     def __init__(
-        self, location: Location, *, after_commit: Callable[[int, tuple[int, str]], None], **save: Any
+        self, location: Location, *, steps: LocalSteps, protect: frozenset[str], **save: Any
     ) -> None:
         super().__init__(location, recover=recover_target, **save)
-        self._after_commit = after_commit  # latest and retention, under the root's lock
+        self._steps = steps
+        self._protect = protect
+        self._renamed = False
 
     def check_target(self) -> None:
         if self._target_stat() is not None:
             raise TargetExistsError(f"step {self.step} appeared at {self.target} meanwhile", self.target)
 
     def lock_name(self) -> str:
-        return ROOT_LOCK  # the root's entries (latest, retention) change with every commit
+        return ROOT_LOCK  # the root's entries (the sequence, latest, retention) change with every commit
 
     def _promote_unlocked(self, stage: str, entries: dict[str, dict[str, Any]]) -> bool:
-        return False  # latest and retention need the root's lock even for a new step
+        return False  # the sequence, latest and retention need the root's lock even for a new step
 
     def _promote(self, stage: str, entries: dict[str, dict[str, Any]]) -> None:
-        super()._promote(stage, entries)
-        self._after_commit(self.parent_fd, (int(self.step or 0), self.name))
+        self.sequence = self._steps.next_sequence(self.parent_fd)
+        try:
+            super()._promote(stage, entries)
+        except (OSError, SafeIOError) as exc:
+            if not self._renamed:
+                raise  # before the commit point: nothing is committed
+            self.warnings.append(f"the root {self.parent} could not be synced after the commit ({exc})")
+        committed = CommittedStep(int(self.step or 0), self.name, self.sequence)
+        self.warnings.extend(self._steps.after_commit(self.parent_fd, committed, self._protect))
+
+    def _put_in_place(self, stage: str, entries: dict[str, dict[str, Any]]) -> None:
+        super()._put_in_place(stage, entries)
+        self._renamed = True  # the commit point
 
     def _replace_existing(self, stage: str, entries: dict[str, dict[str, Any]]) -> None:
         raise TargetExistsError(f"step {self.step} appeared at {self.target} meanwhile", self.target)
@@ -79,17 +104,17 @@ class LocalSteps(StepStorage):
     def reader(self, name: str) -> LocalReader:
         return LocalReader(Location(self.url(name), self.url(name)))
 
-    def committed(self) -> list[tuple[int, str]]:
+    def entry_names(self) -> list[str]:
         try:
-            names = os.listdir(self.root)
+            return os.listdir(self.root)
         except FileNotFoundError:
             return []
-        found = []
-        for entry in names:
-            step = self.names.parse(entry)
-            if step is not None and self.reader(entry).committed_step() is not None:
-                found.append((step, entry))
-        return sorted(found)
+
+    def read_pointer(self) -> str | None:
+        return read_pointer(self.url(LATEST))
+
+    def read_sequence(self) -> int | None:
+        return _parse_sequence(read_pointer(self.url(SEQUENCE)))
 
     # -- the writer ----------------------------------------------------------------------------------
 
@@ -119,36 +144,77 @@ class LocalSteps(StepStorage):
             rank=rank,
             call_id=f"checkpoint/{step}",
             step=step,
-            after_commit=functools.partial(self._point_and_retain, protect=frozenset(protect)),
+            steps=self,
+            protect=frozenset(protect),
         )
 
-    def _point_and_retain(
-        self, root_fd: int, just_committed: tuple[int, str], *, protect: frozenset[str]
-    ) -> None:
-        committed = self.committed()
-        # latest first, then retention: a crash in between leaves a pointer to a whole step.
-        self._point_latest(committed[-1] if committed else just_committed)
-        self._retain(root_fd, self.retired(committed, protect))
+    def next_sequence(self, root_fd: int) -> int:
+        """Under the root's lock, before the commit: the next number in commit order, recorded first, so
+        that no two commits share one even if a pointer is never written. Without a readable record
+        (a root from before sequences, or a damaged one), one past the highest a step's marker holds."""
+        last = self.read_sequence()
+        if last is None:
+            last = max((c.sequence for c in self.in_commit_order()), default=0)
+        self._write(SEQUENCE, str(last + 1))
+        return last + 1
 
-    def _point_latest(self, newest: tuple[int, str]) -> None:
-        self._write_pointer(LATEST, newest[1])
-        if self.megatron_tracker:
-            self._write_pointer(MEGATRON_TRACKER, str(newest[0]))
+    def after_commit(self, root_fd: int, committed: CommittedStep, protect: frozenset[str]) -> list[str]:
+        """Everything after the commit point, best effort: each failure is a warning saying how it is
+        repaired, never an error (the step is committed and every rank is told so)."""
+        warnings = []
+        try:
+            self._write(LATEST, committed.name)
+            if self.megatron_tracker:
+                self._write(MEGATRON_TRACKER, str(committed.step))
+        except (OSError, SafeIOError) as exc:
+            warnings.append(
+                f"step {committed.step} is committed, but the pointer in {self.root} was not updated "
+                f"({exc}); latest() still finds the step, and the next save writes the pointer"
+            )
+        try:
+            self._retire(root_fd, self.retired(committed, protect))
+        except (OSError, SafeIOError) as exc:
+            warnings.append(
+                f"step {committed.step} is committed, but retention under {self.root} failed ({exc}); the "
+                "next save retries it"
+            )
+        return warnings
 
-    def _write_pointer(self, name: str, text: str) -> None:
+    def _write(self, name: str, text: str) -> None:
         path = self.url(name)
         AtomicFile(Location(path, path), exclusive=False, durable=self.options.durable).write_whole(
             text.encode()
         )
 
-    def _retain(self, root_fd: int, retired: list[str]) -> None:
-        for entry in retired:
-            # Renamed aside first: a reader never finds a half-deleted checkpoint under its name. As a
-            # "tmp" sibling, not an "old" one: recovery restores an old version whose name is missing,
-            # and a retired checkpoint killed half deleted must go, never come back as a step.
-            with claimed(sibling_name(entry, "tmp")) as aside:
-                os.rename(entry, aside, src_dir_fd=root_fd, dst_dir_fd=root_fd)
-                remove_at(root_fd, aside, what="retired checkpoint")
+    def _retire(self, root_fd: int, retired: list[CommittedStep]) -> None:
+        """Each retired step renamed aside now, under the lock (a reader never finds a half-deleted
+        checkpoint under its name), and deleted later without it. As a "tmp" sibling, not an "old" one:
+        recovery restores an old version whose name is missing, and a retired checkpoint whose deletion
+        was killed must go, never come back as a step (``safeio gc`` finishes it)."""
+        aside: list[str] = []
+        try:
+            for step in retired:
+                name = claims.claim(sibling_name(step.name, "tmp"))  # released once deleted
+                try:
+                    os.rename(step.name, name, src_dir_fd=root_fd, dst_dir_fd=root_fd)
+                except BaseException:
+                    claims.release(name)
+                    raise
+                aside.append(name)
+        finally:
+            if aside:
+                self.delete_later(
+                    lambda: self._delete(aside), f"{len(aside)} retired step(s) under {self.root}"
+                )
+
+    def _delete(self, aside: list[str]) -> None:
+        try:
+            with held_directory(self.root, follow=True) as root_fd:
+                for name in aside:
+                    remove_at(root_fd, name, what="retired checkpoint")
+        finally:
+            for name in aside:
+                claims.release(name)
 
     # -- every rank ----------------------------------------------------------------------------------
 
@@ -158,5 +224,10 @@ class LocalSteps(StepStorage):
         except OSError:
             return False
 
-    def step_visible(self, name: str) -> bool:
-        return self.reader(name).committed_step() is not None
+
+def _parse_sequence(text: str | None) -> int | None:
+    with contextlib.suppress(ValueError, TypeError):
+        value = int(text or "", 10)
+        if 0 <= value < 10**18 and len(text or "") <= _SEQUENCE_CAP:
+            return value
+    return None

@@ -29,11 +29,19 @@ from typing import Any
 
 from safeio._boundary import mapped
 from safeio._errors import InvalidTargetError, TargetExistsError
-from safeio._promotion.steps import LATEST, MEGATRON_TRACKER, StepNames, StepPromotion, StepStorage
+from safeio._promotion.steps import (
+    LATEST,
+    MEGATRON_TRACKER,
+    SEQUENCE,
+    CommittedStep,
+    StepNames,
+    StepPromotion,
+    StepStorage,
+)
 from safeio._storage import manifest
 from safeio._storage.dirfd import held_directory
 from safeio._storage.location import Location
-from safeio._storage.readers import ObjectStoreReader
+from safeio._storage.readers import POINTER_CAP, ObjectStoreReader
 from safeio._who import who
 
 logger = logging.getLogger("safeio")
@@ -101,10 +109,11 @@ class StepMarker(StepPromotion):
         return {rel: {"size": size} for rel, size in sorted(objects.items())}
 
     def _promote(self, stage: str, entries: dict[str, dict[str, Any]]) -> None:
+        self.sequence = self.steps.next_sequence()
         record = self.manifest_record(entries, None)
-        self.fs.pipe_file(f"{self.prefix}/{manifest.MANIFEST_NAME}", manifest.dumps(record))
-        self.fs.rm_file(f"{self.prefix}/{IN_PROGRESS}")
-        self.steps.point_and_retain((int(self.step or 0), self.stage_name), self._protect)
+        self.fs.pipe_file(f"{self.prefix}/{manifest.MANIFEST_NAME}", manifest.dumps(record))  # the commit
+        committed = CommittedStep(int(self.step or 0), self.stage_name, self.sequence)
+        self.warnings.extend(self.steps.after_commit(committed, self._protect))
 
     def discard(self, stage: str) -> None:
         # Without its marker it is never a checkpoint; if this fails, the next save of the step removes it.
@@ -138,6 +147,37 @@ class ObjectSteps(StepStorage):
     def reader(self, name: str, sizes: dict[str, int] | None = None) -> ObjectStoreReader:
         return ObjectStoreReader(self._location(name), sizes=sizes)
 
+    def entry_names(self) -> list[str]:
+        return list(self.listing())
+
+    def read_pointer(self) -> str | None:
+        return self._read_small(LATEST)
+
+    def read_sequence(self) -> int | None:
+        text = self._read_small(SEQUENCE)
+        with contextlib.suppress(ValueError, TypeError):
+            value = int(text or "", 10)
+            if 0 <= value < 10**18:
+                return value
+        return None
+
+    def _read_small(self, name: str) -> str | None:
+        try:
+            data = self.fs.cat_file(self._key(name), end=POINTER_CAP + 1)
+        except (OSError, ValueError):
+            return None
+        return None if len(data) > POINTER_CAP else bytes(data).decode("utf-8", "replace").strip()
+
+    def in_commit_order(self) -> list[CommittedStep]:
+        # One LIST gives every object's size: each step's marker is read, its files are not asked for.
+        with mapped(f"cannot list {self.root_url}", self.root_url):
+            found = [
+                c
+                for name, objects in self.listing().items()
+                if (c := self.committed_step(name, self.reader(name, objects))) is not None
+            ]
+        return sorted(found, key=lambda c: c.order)
+
     def listing(self) -> dict[str, dict[str, int]]:
         """step name -> {relative key: size} of everything under the root (one LIST, fresh)."""
         self.fs.invalidate_cache(self.prefix)
@@ -153,15 +193,6 @@ class ObjectSteps(StepStorage):
                 steps.setdefault(name, {})[inner] = int(info.get("size") or 0)
         return steps
 
-    def committed(self) -> list[tuple[int, str]]:
-        with mapped(f"cannot list {self.root_url}", self.root_url):
-            found = []
-            for name, objects in self.listing().items():
-                step = self.names.parse(name)
-                if step is not None and self.reader(name, objects).committed_step() is not None:
-                    found.append((step, name))
-        return sorted(found)
-
     # -- the writer ----------------------------------------------------------------------------------
 
     def promotion(self, step: int, *, rank: int, protect: Iterable[str] = ()) -> StepPromotion:
@@ -175,17 +206,43 @@ class ObjectSteps(StepStorage):
             step=step,
         )
 
-    def point_and_retain(self, just_committed: tuple[int, str], protect: frozenset[str]) -> None:
-        committed = self.committed()
-        # latest first, then retention: a crash in between leaves a pointer to a whole step.
-        step, name = committed[-1] if committed else just_committed
-        self.fs.pipe_file(self._key(LATEST), name.encode())
-        if self.megatron_tracker:
-            self.fs.pipe_file(self._key(MEGATRON_TRACKER), str(step).encode())
-        for name in self.retired(committed, protect):
-            # The marker first: from then on the step is not a checkpoint, whatever is left of it.
-            self.fs.rm_file(f"{self._key(name)}/{manifest.MANIFEST_NAME}")
-            self.fs.rm(self._key(name), recursive=True)
+    def next_sequence(self) -> int:
+        """The next number in commit order, recorded before the marker (see ``StepStorage``). No lock:
+        two jobs committing into one root at once are not excluded on an object store."""
+        last = self.read_sequence()
+        if last is None:
+            last = max((c.sequence for c in self.in_commit_order()), default=0)
+        self.fs.pipe_file(self._key(SEQUENCE), str(last + 1).encode())
+        return last + 1
+
+    def after_commit(self, committed: CommittedStep, protect: frozenset[str]) -> list[str]:
+        """After the marker, best effort (see ``LocalSteps.after_commit``)."""
+        warnings = []
+        try:
+            self.fs.rm_file(f"{self._key(committed.name)}/{IN_PROGRESS}")
+            self.fs.pipe_file(self._key(LATEST), committed.name.encode())
+            if self.megatron_tracker:
+                self.fs.pipe_file(self._key(MEGATRON_TRACKER), str(committed.step).encode())
+        except (OSError, ValueError) as exc:
+            warnings.append(
+                f"step {committed.step} is committed, but the pointer under {self.root_url} was not updated "
+                f"({exc}); latest() still finds the step, and the next save writes the pointer"
+            )
+        try:
+            retired = self.retired(committed, protect)
+            for step in retired:
+                # The marker first: from then on the step is not a checkpoint, whatever is left of it.
+                self.fs.rm_file(f"{self._key(step.name)}/{manifest.MANIFEST_NAME}")
+        except (OSError, ValueError) as exc:
+            warnings.append(
+                f"step {committed.step} is committed, but retention under {self.root_url} failed ({exc}); "
+                "the next save retries it"
+            )
+            return warnings
+        if retired:
+            keys = [self._key(step.name) for step in retired]
+            self.delete_later(lambda: self.fs.rm(keys, recursive=True), f"{len(keys)} retired step(s)")
+        return warnings
 
     # -- every rank ----------------------------------------------------------------------------------
 
@@ -196,7 +253,4 @@ class ObjectSteps(StepStorage):
         """Whether this rank reads the step's marker (object stores are consistent after a PUT; the
         check is what makes a stale client cache impossible to return through)."""
         self.fs.invalidate_cache(self._key(name))
-        try:
-            return bool(self.fs.exists(f"{self._key(name)}/{manifest.MANIFEST_NAME}"))
-        except (OSError, ValueError):
-            return False
+        return super().step_visible(name)

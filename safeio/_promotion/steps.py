@@ -8,17 +8,26 @@ commits and when.
 
 from __future__ import annotations
 
+import logging
+import os
 import re
+import threading
 from abc import ABC, abstractmethod
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 
 from safeio._errors import InvalidOptionError
 from safeio._options import SaveOptions
 from safeio._promotion.base import Promotion
 from safeio._storage.dirfd import is_component
+from safeio._storage.readers import TargetReader
+from safeio._who import who
+
+logger = logging.getLogger("safeio")
 
 LATEST = "latest"  # DeepSpeed's pointer file: the name of the newest checkpoint directory
 MEGATRON_TRACKER = "latest_checkpointed_iteration.txt"  # Megatron's: the newest iteration number
+SEQUENCE = ".checkpoints.safeio.sequence"  # the last sequence number given to a commit in this root
 
 
 class StepNames:
@@ -51,13 +60,37 @@ def check_step(step: object, root: str) -> int:
 
 class StepPromotion(Promotion):
     """The commit of one step: ``open_stage`` on the writer before the body, ``finish`` once every rank
-    reported, ``discard`` when one failed. ``stage_name`` is what every rank writes under."""
+    reported, ``discard`` when one failed. ``stage_name`` is what every rank writes under. The commit
+    point is the step appearing under its name (a rename; an object store's marker): a failure before it
+    commits nothing; after it (the ``latest`` pointer, retention) is a warning in ``Promoted.warnings``."""
 
     stage_name: str
 
 
+@dataclass(frozen=True)
+class CommittedStep:
+    """A committed step of this user: its number, directory name, and place in commit order
+    (``sequence``; 0 for a step committed before sequences were recorded: those sort by number, first)."""
+
+    step: int
+    name: str
+    sequence: int
+
+    @property
+    def order(self) -> tuple[int, int]:
+        return (self.sequence, self.step)
+
+
 class StepStorage(ABC):
-    """The steps of one checkpoint root, as one kind of place holds them."""
+    """The steps of one checkpoint root, as one kind of place holds them.
+
+    Commit order is the order: each commit records the next number of the root's sequence in its marker
+    (``.checkpoints.safeio.sequence`` holds the last one given, written before the commit), the pointer
+    names the most recent commit, and ``latest`` is that step, not the highest number (a job that rolled
+    back to step 10 and saved 15 resumes from 15, as DeepSpeed's ``latest`` and Megatron's tracker
+    would). Only the steps this user committed count: another user's, in a shared root, are never chosen
+    or retired.
+    """
 
     in_place_replicated: bool  # whether the writer's replicated files go straight into the stage
     root_url: str
@@ -74,22 +107,29 @@ class StepStorage(ABC):
         self.options = options
         self.keep = keep
         self.megatron_tracker = megatron_tracker
+        self._deleting: threading.Thread | None = None
 
-    def retired(self, committed: list[tuple[int, str]], protected: Iterable[str]) -> list[str]:
-        """The committed steps retention removes: all but the newest ``keep`` (never the newest: keep
-        >= 1), and never a ``protected`` one (step names: a Trainer's best model)."""
-        if self.keep is None or len(committed) <= self.keep:
-            return []
-        kept = frozenset(protected)
-        return [name for _, name in committed[: -self.keep] if name not in kept]
+    # -- what a kind of place provides ---------------------------------------------------------------
 
     @abstractmethod
     def url(self, name: str) -> str:
         """Where step (or stage) ``name`` is, as the user names it."""
 
     @abstractmethod
-    def committed(self) -> list[tuple[int, str]]:
-        """(step, name) of every committed checkpoint, as this process sees the root (ascending)."""
+    def entry_names(self) -> list[str]:
+        """The names directly under the root (one listing)."""
+
+    @abstractmethod
+    def reader(self, name: str) -> TargetReader:
+        """The reader of step directory (or prefix) ``name``."""
+
+    @abstractmethod
+    def read_pointer(self) -> str | None:
+        """What ``latest`` names, or None (absent, damaged, not a small regular file)."""
+
+    @abstractmethod
+    def read_sequence(self) -> int | None:
+        """The last sequence number given to a commit here, or None (none yet, or unreadable)."""
 
     @abstractmethod
     def promotion(self, step: int, *, rank: int, protect: Iterable[str] = ()) -> StepPromotion:
@@ -100,6 +140,86 @@ class StepStorage(ABC):
     def stage_visible(self, stage_name: str) -> bool:
         """Whether this process sees the stage the writer made (an NFS client may not yet)."""
 
-    @abstractmethod
+    # -- reading -------------------------------------------------------------------------------------
+
+    def committed_step(self, name: str, reader: TargetReader | None = None) -> CommittedStep | None:
+        """Step ``name`` if it is committed (its marker's step is the name's) by this user."""
+        step = self.names.parse(name)
+        if step is None:
+            return None
+        reader = reader or self.reader(name)
+        record = reader.committed_marker()
+        if record is None or record["step"] != step or reader.owner(record) != os.geteuid():
+            return None
+        sequence = record.get("sequence")
+        if isinstance(sequence, bool) or not isinstance(sequence, int) or sequence < 1:
+            sequence = 0  # committed before sequences were recorded (or damaged): sorts first, by step
+        return CommittedStep(step, name, sequence)
+
     def step_visible(self, name: str) -> bool:
         """Whether this process sees step ``name`` committed."""
+        return self.committed_step(name) is not None
+
+    def in_commit_order(self) -> list[CommittedStep]:
+        """Every step of this user committed here, oldest commit first (reads every step's marker)."""
+        found = [c for name in self.entry_names() if (c := self.committed_step(name)) is not None]
+        return sorted(found, key=lambda c: c.order)
+
+    def committed(self) -> list[tuple[int, str]]:
+        """(step, name) of every committed checkpoint, as this process sees the root (by step number)."""
+        return sorted((c.step, c.name) for c in self.in_commit_order())
+
+    def latest(self) -> CommittedStep | None:
+        """The most recent commit: what the pointer names, when that is a committed step whose sequence
+        is the last one given (two reads and one step checked, however many steps there are); else,
+        after a failure between a commit and its pointer, the newest by commit order (a listing)."""
+        named = self.read_pointer()
+        found = self.committed_step(named) if named else None
+        if found is not None:
+            last = self.read_sequence()
+            if last is None or found.sequence >= last:
+                return found
+        ordered = self.in_commit_order()
+        return ordered[-1] if ordered else None
+
+    # -- retention -----------------------------------------------------------------------------------
+
+    def retired(self, just_committed: CommittedStep, protect: Iterable[str]) -> list[CommittedStep]:
+        """This user's committed steps beyond the newest ``keep`` by commit order, never the step just
+        committed nor a protected one. One listing decides when there cannot be more steps than ``keep``
+        (the usual case: retention keeps it so); only then are the markers read."""
+        if self.keep is None:
+            return []
+        if sum(1 for name in self.entry_names() if self.names.parse(name) is not None) <= self.keep:
+            return []
+        ordered = self.in_commit_order()
+        kept = {c.name for c in ordered[-self.keep :]}
+        kept.add(just_committed.name)
+        kept.update(protect)
+        return [c for c in ordered if c.name not in kept]
+
+    def delete_later(self, delete: Callable[[], None], what: str) -> None:
+        """Run ``delete`` (retired steps, already renamed aside) on a background thread: no rank waits for
+        it. The next save, ``Checkpoints.wait()`` and the interpreter's exit (not a daemon) join it."""
+        self.join_deletions()
+
+        def run() -> None:
+            try:
+                delete()
+            except BaseException as exc:  # the steps are aside already: never a checkpoint again
+                logger.warning(
+                    "%s: could not finish deleting %s (%s); `safeio gc %s` removes what is left",
+                    who(),
+                    what,
+                    exc,
+                    self.root_url,
+                )
+
+        self._deleting = threading.Thread(target=run, name=f"safeio-retention {what}", daemon=False)
+        self._deleting.start()
+
+    def join_deletions(self) -> None:
+        deleting, self._deleting = self._deleting, None
+        if deleting is not None:
+            # Bounded: a deletion that hangs (a dead NFS server) is left to finish or fail on its own.
+            deleting.join(self.options.timeout)

@@ -102,7 +102,7 @@ def build(
     record = {
         "format": FORMAT,
         "files": dict(sorted(merged.items())),
-        "writer": {"host": socket.gethostname(), "pid": os.getpid(), "rank": rank},
+        "writer": {"host": socket.gethostname(), "pid": os.getpid(), "rank": rank, "uid": os.geteuid()},
         "call": call,
         "calls": calls,
         "time": time.time(),

@@ -97,15 +97,26 @@ class TargetReader(ABC):
             return [self.no_manifest_problem()]
         return self.problems(record, check_hashes=check_hashes)
 
-    def committed_step(self) -> int | None:
-        """The step of a committed checkpoint at the target: its marker (a manifest with a step) lists
-        every file at its size. None for anything else. The one answer to "is this step committed"."""
+    @abstractmethod
+    def owner(self, record: dict[str, Any]) -> int | None:
+        """The uid that wrote the target whose manifest is ``record`` (a local directory's owner; on an
+        object store, what its marker says), or None when it cannot be told."""
+
+    def committed_marker(self) -> dict[str, Any] | None:
+        """The marker of a committed checkpoint step at the target: a manifest with an integer step that
+        lists every file at its size. None for anything else. The one answer to "is this step
+        committed" (``Checkpoints``, the integrations, ``safeio ls`` and ``safeio verify`` ask it)."""
         if not self.is_step():
             return None
         record = self.manifest()
-        if record is None or not isinstance(record.get("step"), int):
+        step = record.get("step") if record is not None else None
+        if record is None or isinstance(step, bool) or not isinstance(step, int):
             return None
-        return None if self.problems(record, check_hashes=False) else int(record["step"])
+        return None if self.problems(record, check_hashes=False) else record
+
+    def committed_step(self) -> int | None:
+        record = self.committed_marker()
+        return int(record["step"]) if record is not None else None
 
 
 class LocalReader(TargetReader):
@@ -126,6 +137,13 @@ class LocalReader(TargetReader):
             return stat.S_ISDIR(os.lstat(self.location.path).st_mode)
         except OSError:
             return False
+
+    def owner(self, record: dict[str, Any]) -> int | None:
+        # The directory's owner: another user cannot make a directory that is ours, whatever it holds.
+        try:
+            return os.lstat(self.location.path).st_uid
+        except OSError:
+            return None
 
     def file_exists(self) -> bool:
         return os.path.exists(self.location.path)
@@ -222,6 +240,13 @@ class ObjectStoreReader(TargetReader):
     def is_step(self) -> bool:
         return True  # a prefix is whatever its marker says
 
+    def owner(self, record: dict[str, Any]) -> int | None:
+        # Object stores have no uids of their own; the marker records its writer's (as the local ones
+        # do), which tells this job's steps from another user's in a shared bucket.
+        writer = record.get("writer")
+        uid = writer.get("uid") if isinstance(writer, dict) else None
+        return uid if isinstance(uid, int) and not isinstance(uid, bool) else None
+
     def file_exists(self) -> bool:
         return bool(self.fs.exists(self.location.path))
 
@@ -233,3 +258,24 @@ class ObjectStoreReader(TargetReader):
 
     def unlisted(self, record: dict[str, Any]) -> list[str]:
         return []  # a commit's upload deletes what its marker does not list (replace mode)
+
+
+def read_pointer(path: str | os.PathLike[str]) -> str | None:
+    """The text of a small pointer file (``latest``), or None when it is absent or not a small regular
+    file (a link or a directory planted at its name is not followed or read)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError:
+        return None
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            return None
+        data = os.read(fd, POINTER_CAP + 1)
+    finally:
+        os.close(fd)
+    if len(data) > POINTER_CAP:
+        return None
+    return data.decode("utf-8", "replace").strip()
+
+
+POINTER_CAP = 4096

@@ -33,6 +33,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from safeio._checkpoints.checkpoints import Checkpoints
+from safeio._coordination.group import Group
 from safeio._errors import InvalidTargetError, UnsupportedSaveError
 from safeio._promotion import active
 
@@ -43,11 +44,13 @@ PREFIX = "checkpoint-{step}"
 
 def get_last_checkpoint(folder: str | os.PathLike[str]) -> str | None:
     """``transformers.trainer_utils.get_last_checkpoint`` that returns only a committed checkpoint (its
-    marker present, every listed file at its size): a half-written ``checkpoint-N`` is never resumed.
+    marker present, every listed file at its size), the most recent commit (after a rollback, not the
+    highest number): a half-written ``checkpoint-N`` is never resumed.
     Each process reads the directory itself; inside a job prefer ``train(resume_from_checkpoint=True)``
     with the mixin, where every rank gets the writer's answer."""
-    committed = Checkpoints(folder, keep=None, name=PREFIX).committed()
-    return os.path.join(os.fspath(folder), committed[-1][1]) if committed else None
+    # A group of this process alone: latest() is then this process's own reading of the root.
+    found = Checkpoints(folder, keep=None, name=PREFIX, group=Group()).latest()
+    return os.path.join(os.fspath(folder), os.path.basename(found.path)) if found is not None else None
 
 
 def _check_trainer(cls: type) -> None:

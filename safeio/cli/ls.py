@@ -24,7 +24,8 @@ def add_parser(commands: Any, epilog: str) -> None:
         "commit marker is there and every file it lists has its size), partial (a step directory "
         "without a valid marker: never resumed from), and stages of saves in progress or left by "
         "crashed writers (`safeio gc` removes those whose owner is gone). Marks the one `latest` "
-        "names. Exit 1 when `latest` names something that is not a committed step.",
+        "names. A step another user committed in a shared root is shown as theirs (Checkpoints never "
+        "resumes from or retires it). Exit 1 when `latest` names something that is not a committed step.",
         epilog=epilog,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
@@ -49,6 +50,7 @@ def _size(path: str) -> int:
 def checkpoint_rows(root: str, names: list[StepNames]) -> list[dict[str, Any]]:
     """Every step directory and checkpoint stage under ``root``: name, step, state, size (sorted)."""
     rows: list[dict[str, Any]] = []
+    owner = os.stat(root).st_uid
     for entry in sorted(os.listdir(root)):
         path = os.path.join(root, entry)
         sibling = parse(entry)
@@ -62,10 +64,24 @@ def checkpoint_rows(root: str, names: list[StepNames]) -> list[dict[str, Any]]:
         step = next((s for s in steps if s is not None), None)
         if step is None or not os.path.isdir(path) or os.path.islink(path):
             continue
-        state = "committed" if backend_for(path).reader().committed_step() is not None else "partial"
+        state = step_state(path, owner)
         rows.append({"name": entry, "step": step, "state": state, "size": _size(path)})
     rows.sort(key=lambda r: (r["step"] is None, r["step"] or 0, r["name"]))
     return rows
+
+
+def step_state(path: str, owner: int) -> str:
+    """"committed", "partial", or, for a step committed by someone other than the root's owner (in a
+    shared root), whose it is: ``Checkpoints`` never resumes from or retires another user's step."""
+    reader = backend_for(path).reader()
+    record = reader.committed_marker()
+    if record is None:
+        return "partial"
+    uid = reader.owner(record)
+    return "committed" if uid == owner else f"{FOREIGN} (uid {uid})"
+
+
+FOREIGN = "another user's"
 
 
 def name_patterns(root: str, name: str | None) -> list[StepNames]:

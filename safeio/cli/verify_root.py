@@ -16,15 +16,15 @@ from safeio._checkpoints.pointer import read_pointer
 from safeio._promotion.backends import backend_for
 from safeio._promotion.steps import LATEST
 from safeio.cli._common import EXIT_OK, EXIT_PROBLEMS, print_json
-from safeio.cli.ls import checkpoint_rows, name_patterns
+from safeio.cli.ls import FOREIGN, checkpoint_rows, name_patterns
 
 
 def verify_root(root: str, args: argparse.Namespace) -> int:
     rows = checkpoint_rows(root, name_patterns(root, None))
     problems: list[str] = []
     for row in rows:
-        if row["step"] is None:
-            continue
+        if row["step"] is None or row["state"].startswith(FOREIGN):
+            continue  # shown below, not judged: a stage in progress, another user's step
         reader = backend_for(os.path.join(root, row["name"])).reader()
         found = reader.verify(check_hashes=not args.no_hashes)
         row["problems"] = found
@@ -51,6 +51,6 @@ def verify_root(root: str, args: argparse.Namespace) -> int:
         for problem in problems:
             print(f"  {problem}")
         for row in rows:
-            if row["step"] is None:
+            if row["step"] is None or row["state"].startswith(FOREIGN):
                 print(f"  note: {row['name']}: {row['state']}")
     return EXIT_OK if not problems else EXIT_PROBLEMS

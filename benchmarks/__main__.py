@@ -49,6 +49,11 @@ def _registry(disk: str, tmpfs: str) -> dict[str, Callable[[bool], Result]]:
 
         return checkpoints.run(quick, disk=disk)
 
+    def history(quick: bool) -> Result:
+        from benchmarks import history
+
+        return history.run(quick, disk=disk)
+
     def seed(quick: bool) -> Result:
         from benchmarks import seed
 
@@ -66,6 +71,7 @@ def _registry(disk: str, tmpfs: str) -> dict[str, Callable[[bool], Result]]:
         "promotion": promotion,
         "control": control,
         "checkpoints": checkpoints,
+        "history": history,
         "peers": peers,
         "seed": seed,
     }

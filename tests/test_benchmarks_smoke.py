@@ -86,3 +86,16 @@ def test_quick_peers_benchmark_reports_rows(tmp_path: Path) -> None:
         assert all(math.isfinite(row["value"][k]) for k in ("median", "lo", "hi")), row
     assert len(result["samples"]["64 simulated peers"]["per_peer_p50_p99_max_ms"]) == 64
     assert "## 7. Peer release latency" in (out / "results.md").read_text()
+
+
+@pytest.mark.timeout(120)
+def test_quick_history_benchmark_reports_rows(tmp_path: Path) -> None:
+    """Figure 10 in quick mode: the commit and latest() at few and many steps, and a save that retires a
+    step against one that retires none: every row there, every value a finite positive ratio."""
+    result = _quick(tmp_path / "results", "history")
+    figures = [row["figure"] for row in result["rows"]]
+    assert len(figures) == 3 and figures[0].startswith("10. commit with 300 committed steps"), figures
+    for row in result["rows"]:
+        value = row["value"]
+        assert row["unit"] == "x" and value["n"] >= 3, row
+        assert 0 < value["lo"] <= value["median"] <= value["hi"] < float("inf"), row

@@ -97,7 +97,8 @@ def recover_directory(
         except FileNotFoundError:
             return []
     now = time.time()
-    candidates = (parse(name) for name in sorted(os.listdir(parent_fd)) if ".safeio-" in name)
+    listing = sorted(os.listdir(parent_fd))
+    candidates = (parse(name) for name in listing if ".safeio-" in name)
     siblings = [s for s in candidates if s is not None and s.kind != "v"]
     if target_name is not None:
         siblings = [s for s in siblings if s.belongs_to(target_name)]
@@ -114,7 +115,7 @@ def recover_directory(
             if not keep_going:
                 raise
             actions.append(Action("failed", leftover.path, str(exc)))
-    for versioned in versioned_targets(parent_fd, target_name):
+    for versioned in versioned_targets(parent_fd, target_name, listing):
         actions.extend(prune(parent, parent_fd, versioned, dry_run=dry_run, now=now))
     return actions
 

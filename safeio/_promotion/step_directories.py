@@ -23,7 +23,7 @@ from typing import Any
 from safeio._boundary import os_failure
 from safeio._errors import InvalidTargetError, SafeIOError, TargetExistsError
 from safeio._promotion.atomic_file import AtomicFile
-from safeio._promotion.leftovers import recover_directory, recover_target
+from safeio._promotion.leftovers import recover_directory
 from safeio._promotion.local import LocalPromotion
 from safeio._promotion.steps import (
     LATEST,
@@ -53,7 +53,9 @@ class StepRename(LocalPromotion, StepPromotion):
     def __init__(
         self, location: Location, *, steps: LocalSteps, protect: frozenset[str], **save: Any
     ) -> None:
-        super().__init__(location, recover=recover_target, **save)
+        # No recovery of the step's own siblings under the lock: the only ones a step has are stages,
+        # and the root's dead ones were recovered when this process opened its first stage there.
+        super().__init__(location, recover=_nothing_to_recover, **save)
         self._steps = steps
         self._protect = protect
         self._renamed = False
@@ -77,6 +79,7 @@ class StepRename(LocalPromotion, StepPromotion):
                 raise  # before the commit point: nothing is committed
             self.warnings.append(f"the root {self.parent} could not be synced after the commit ({exc})")
         committed = CommittedStep(int(self.step or 0), self.name, self.sequence)
+        self._steps.remember(committed)
         self.warnings.extend(self._steps.after_commit(self.parent_fd, committed, self._protect))
 
     def _put_in_place(self, stage: str, entries: dict[str, dict[str, Any]]) -> None:
@@ -85,6 +88,10 @@ class StepRename(LocalPromotion, StepPromotion):
 
     def _replace_existing(self, stage: str, entries: dict[str, dict[str, Any]]) -> None:
         raise TargetExistsError(f"step {self.step} appeared at {self.target} meanwhile", self.target)
+
+
+def _nothing_to_recover(parent: str, parent_fd: int, target_name: str, durable: bool, own_stage: str) -> None:
+    del parent, parent_fd, target_name, durable, own_stage
 
 
 class LocalSteps(StepStorage):
@@ -97,6 +104,10 @@ class LocalSteps(StepStorage):
         self.location = location
         self.root = location.path
         self.root_url = location.path
+        # What crashed saves left is recovered by this process's first save here: leftovers come from
+        # crashed jobs (a failed save of this one removes its stage), and a listing of the root at every
+        # save would make a commit's cost grow with the steps kept.
+        self._recovered = False
 
     def url(self, name: str) -> str:
         return os.path.join(self.root, name)
@@ -113,6 +124,14 @@ class LocalSteps(StepStorage):
     def read_pointer(self) -> str | None:
         return read_pointer(self.url(LATEST))
 
+    def identity(self, name: str) -> object | None:
+        # A directory: (device, inode, owner). Renamed into place once and never changed after.
+        try:
+            st = os.lstat(self.url(name))
+        except OSError:
+            return None
+        return (st.st_dev, st.st_ino, st.st_uid) if stat.S_ISDIR(st.st_mode) else None
+
     def read_sequence(self) -> int | None:
         return _parse_sequence(read_pointer(self.url(SEQUENCE)))
 
@@ -124,8 +143,11 @@ class LocalSteps(StepStorage):
         try:
             os.makedirs(self.root, exist_ok=True)
             with held_directory(self.root, follow=True) as root_fd:
-                # What crashed saves left (stages of dead owners, never a live one) goes first.
-                recover_directory(self.root, parent_fd=root_fd, keep_going=True, durable=self.options.durable)
+                if not self._recovered:  # stages of dead owners, never a live one
+                    recover_directory(
+                        self.root, parent_fd=root_fd, keep_going=True, durable=self.options.durable
+                    )
+                    self._recovered = True
                 if lstat_at(root_fd, final_name) is not None:
                     if self.reader(final_name).committed_step() is not None:
                         raise TargetExistsError(f"step {step} is already committed at {final}", final)

@@ -168,13 +168,14 @@ class ObjectSteps(StepStorage):
             return None
         return None if len(data) > POINTER_CAP else bytes(data).decode("utf-8", "replace").strip()
 
-    def in_commit_order(self) -> list[CommittedStep]:
+    def in_commit_order(self, *, check_files: bool = True) -> list[CommittedStep]:
         # One LIST gives every object's size: each step's marker is read, its files are not asked for.
         with mapped(f"cannot list {self.root_url}", self.root_url):
             found = [
                 c
                 for name, objects in self.listing().items()
-                if (c := self.committed_step(name, self.reader(name, objects))) is not None
+                if (c := self.committed_step(name, self.reader(name, objects), check_files=check_files))
+                is not None
             ]
         return sorted(found, key=lambda c: c.order)
 

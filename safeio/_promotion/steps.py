@@ -108,6 +108,9 @@ class StepStorage(ABC):
         self.keep = keep
         self.megatron_tracker = megatron_tracker
         self._deleting: threading.Thread | None = None
+        # Steps whose marker this process has read (or written), by the identity of what stood at the
+        # name then: a committed step never changes, so retention need not parse a large marker again.
+        self._known: dict[str, tuple[object, CommittedStep]] = {}
 
     # -- what a kind of place provides ---------------------------------------------------------------
 
@@ -136,33 +139,55 @@ class StepStorage(ABC):
         """The writer: the commit of ``step`` (its stage is made by ``open_stage``); retention after it
         never removes a step named in ``protect``."""
 
+    def identity(self, name: str) -> object | None:
+        """What tells the directory at ``name`` from any other that may stand there later (None: this kind
+        of place cannot tell, and a marker is read every time)."""
+        return None
+
+    def remember(self, committed: CommittedStep) -> None:
+        """A step this process just committed: its marker need not be read back for retention."""
+        identity = self.identity(committed.name)
+        if identity is not None:
+            self._known[committed.name] = (identity, committed)
+
     @abstractmethod
     def stage_visible(self, stage_name: str) -> bool:
         """Whether this process sees the stage the writer made (an NFS client may not yet)."""
 
     # -- reading -------------------------------------------------------------------------------------
 
-    def committed_step(self, name: str, reader: TargetReader | None = None) -> CommittedStep | None:
-        """Step ``name`` if it is committed (its marker's step is the name's) by this user."""
+    def committed_step(
+        self, name: str, reader: TargetReader | None = None, *, check_files: bool = True
+    ) -> CommittedStep | None:
+        """Step ``name`` if it is committed (its marker's step is the name's) by this user.
+        ``check_files=False``: by its marker alone (retention orders steps committed long ago)."""
         step = self.names.parse(name)
         if step is None:
             return None
+        identity = None if check_files else self.identity(name)
+        known = self._known.get(name)
+        if identity is not None and known is not None and known[0] == identity:
+            return known[1]
         reader = reader or self.reader(name)
-        record = reader.committed_marker()
+        record = reader.committed_marker(check_files=check_files)
         if record is None or record["step"] != step or reader.owner(record) != os.geteuid():
             return None
         sequence = record.get("sequence")
         if isinstance(sequence, bool) or not isinstance(sequence, int) or sequence < 1:
             sequence = 0  # committed before sequences were recorded (or damaged): sorts first, by step
-        return CommittedStep(step, name, sequence)
+        found = CommittedStep(step, name, sequence)
+        if identity is not None:
+            self._known[name] = (identity, found)
+        return found
 
     def step_visible(self, name: str) -> bool:
         """Whether this process sees step ``name`` committed."""
         return self.committed_step(name) is not None
 
-    def in_commit_order(self) -> list[CommittedStep]:
+    def in_commit_order(self, *, check_files: bool = True) -> list[CommittedStep]:
         """Every step of this user committed here, oldest commit first (reads every step's marker)."""
-        found = [c for name in self.entry_names() if (c := self.committed_step(name)) is not None]
+        names = self.entry_names()
+        found = [c for name in names if (c := self.committed_step(name, check_files=check_files)) is not None]
         return sorted(found, key=lambda c: c.order)
 
     def committed(self) -> list[tuple[int, str]]:
@@ -192,7 +217,7 @@ class StepStorage(ABC):
             return []
         if sum(1 for name in self.entry_names() if self.names.parse(name) is not None) <= self.keep:
             return []
-        ordered = self.in_commit_order()
+        ordered = self.in_commit_order(check_files=False)
         kept = {c.name for c in ordered[-self.keep :]}
         kept.add(just_committed.name)
         kept.update(protect)

@@ -112,9 +112,16 @@ class Versioned(LocalPromotion):
         return kept
 
 
-def versioned_targets(parent_fd: int, target_name: str | None) -> list[str]:
-    """The versioned targets in the directory (only ``target_name``, if given)."""
-    names = [target_name] if target_name is not None else sorted(os.listdir(parent_fd))
+def versioned_targets(parent_fd: int, target_name: str | None, listing: list[str] | None = None) -> list[str]:
+    """The versioned targets in the directory (only ``target_name``, if given). With the directory's
+    ``listing``, only names that have a version directory beside them are read as links: a checkpoint
+    root of thousands of steps is not a thousand readlinks."""
+    if target_name is not None:
+        names = [target_name]
+    else:
+        listing = sorted(os.listdir(parent_fd)) if listing is None else listing
+        versions = [s for s in map(parse, listing) if s is not None and s.kind == "v"]
+        names = [name for name in listing if any(v.belongs_to(name) for v in versions)]
     return [name for name in names if version_pointee(name, dir_fd=parent_fd) is not None]
 
 

@@ -102,17 +102,20 @@ class TargetReader(ABC):
         """The uid that wrote the target whose manifest is ``record`` (a local directory's owner; on an
         object store, what its marker says), or None when it cannot be told."""
 
-    def committed_marker(self) -> dict[str, Any] | None:
+    def committed_marker(self, *, check_files: bool = True) -> dict[str, Any] | None:
         """The marker of a committed checkpoint step at the target: a manifest with an integer step that
-        lists every file at its size. None for anything else. The one answer to "is this step
-        committed" (``Checkpoints``, the integrations, ``safeio ls`` and ``safeio verify`` ask it)."""
+        lists every file at its size (``check_files=False``: the marker alone, for ordering steps that
+        were committed, not for resuming from one). None for anything else. The one answer to "is this
+        step committed" (``Checkpoints``, the integrations, ``safeio ls`` and ``safeio verify`` ask it)."""
         if not self.is_step():
             return None
         record = self.manifest()
         step = record.get("step") if record is not None else None
         if record is None or isinstance(step, bool) or not isinstance(step, int):
             return None
-        return None if self.problems(record, check_hashes=False) else record
+        if check_files and self.problems(record, check_hashes=False):
+            return None
+        return record
 
     def committed_step(self) -> int | None:
         record = self.committed_marker()

@@ -71,7 +71,7 @@ def checkpoint_rows(root: str, names: list[StepNames]) -> list[dict[str, Any]]:
 
 
 def step_state(path: str, owner: int) -> str:
-    """"committed", "partial", or, for a step committed by someone other than the root's owner (in a
+    """ "committed", "partial", or, for a step committed by someone other than the root's owner (in a
     shared root), whose it is: ``Checkpoints`` never resumes from or retires another user's step."""
     reader = backend_for(path).reader()
     record = reader.committed_marker()

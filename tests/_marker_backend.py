@@ -4,9 +4,10 @@ classes, and nothing in ``safeio/``.
 ``markerdir:///some/dir`` is a local directory seen through fsspec that refuses to rename directories (as
 a store without a directory rename would, e.g. a rename-less GCS bucket): saves there must commit by a
 marker written last, like an object store. The whole back end is the fsspec filesystem below (the
-storage itself) and one ``Backend`` subclass naming its protocol; its behaviours are safeio's existing
-marker-committed ones. Importing this module registers both (rank processes of a multi-rank test import
-it through the function they run).
+storage itself) and one ``Backend`` subclass naming its protocol (``ObjectStoreBackend``'s, with the two
+file operations a directory tree does differently); its behaviours are safeio's marker-committed ones.
+Importing this module registers both (rank processes of a multi-rank test import it through the
+function they run).
 """
 
 from __future__ import annotations
@@ -17,14 +18,7 @@ from typing import Any, ClassVar
 import fsspec
 from fsspec.implementations.local import LocalFileSystem
 
-from safeio._options import SaveOptions
-from safeio._promotion.atomic_file import FilePromotion, UploadedFile
-from safeio._promotion.backends import Backend
-from safeio._promotion.base import FilesCheck, PhaseHook, Promotion
-from safeio._promotion.commit_marker import CommitMarker
-from safeio._promotion.step_prefixes import ObjectSteps
-from safeio._promotion.steps import StepNames, StepStorage
-from safeio._storage.readers import ObjectStoreReader, TargetReader
+from safeio._promotion.backends import ObjectStoreBackend
 
 PROTOCOL = "markerdir"
 
@@ -63,33 +57,12 @@ class MarkerDirFileSystem(LocalFileSystem):
 fsspec.register_implementation(PROTOCOL, MarkerDirFileSystem, clobber=True)
 
 
-class MarkerDirectoryBackend(Backend):
-    """Directories committed by a marker written last, never renamed."""
+class MarkerDirectoryBackend(ObjectStoreBackend):
+    """Directories committed by a marker written last, never renamed: the object store's behaviours
+    (``CommitMarker``, ``UploadedFile``, ``ObjectSteps``, ``ObjectStoreReader``) over a directory tree,
+    which needs its parents made and removes a file without a recursive walk."""
 
     protocols = (PROTOCOL,)
-
-    def promotion(
-        self,
-        options: SaveOptions,
-        *,
-        rank: int,
-        call_id: str,
-        on_phase: PhaseHook | None = None,
-        check_files: FilesCheck | None = None,
-    ) -> Promotion:
-        return CommitMarker(
-            self.location, options, rank=rank, call_id=call_id, on_phase=on_phase, check_files=check_files
-        )
-
-    def file_promotion(
-        self, *, exclusive: bool, durable: bool, on_phase: PhaseHook | None = None
-    ) -> FilePromotion:
-        return UploadedFile(self.location, exclusive=exclusive, durable=durable, on_phase=on_phase)
-
-    def steps(
-        self, names: StepNames, options: SaveOptions, *, keep: int | None, megatron_tracker: bool = False
-    ) -> StepStorage:
-        return ObjectSteps(self.location, names, options, keep=keep, megatron_tracker=megatron_tracker)
 
     def make_parent(self) -> None:
         os.makedirs(os.path.dirname(self.location.path), exist_ok=True)
@@ -97,9 +70,3 @@ class MarkerDirectoryBackend(Backend):
     def remove_file(self, *, durable: bool) -> None:
         fs: Any = self.location.fs
         fs.rm(self.location.path)
-
-    def reader(self) -> TargetReader:
-        return ObjectStoreReader(self.location)
-
-    def holds_checkpoints(self) -> bool:
-        return False

@@ -281,6 +281,14 @@ class CheckpointSave:
                     failed={group.writer: str(error)},
                 )
             self.stage_name = heard["stage"]
+            if not steps.is_stage_of(self.stage_name, self.step):
+                # Joined to the root, an absolute or dotted name would send this rank's shards elsewhere.
+                raise CheckpointError(
+                    f"rank {group.rank}: the stage name heard from rank {group.writer} for step {self.step} "
+                    f"under {self.ckpts.root} is not one safeio gives: {self.stage_name!r}",
+                    self.final,
+                    failed={group.writer: "an invalid stage name"},
+                )
             try:
                 what = f"the stage of step {self.step}"
                 self.ckpts._wait_visible(self.stage_name, deadline, group.rank, what, stage=True)

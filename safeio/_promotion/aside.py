@@ -41,6 +41,9 @@ class RenameAside(LocalPromotion):
             os.rename(name, aside, src_dir_fd=fd, dst_dir_fd=fd)
             try:
                 os.rename(self.stage_name, name, src_dir_fd=fd, dst_dir_fd=fd)
+                if not self.promoted_is_stage(name):
+                    os.rename(name, self.stage_name, src_dir_fd=fd, dst_dir_fd=fd)  # theirs goes back
+                    raise self.swapped_stage_error()
             except BaseException:
                 os.rename(aside, name, src_dir_fd=fd, dst_dir_fd=fd)  # put the old version back first
                 raise

@@ -41,4 +41,8 @@ class ExchangeRename(RenameAside):
             )
             super()._swap()
             return
+        if not self.promoted_is_stage(self.name):
+            # Exchanged with something put in the stage's place: exchange back, the old version returns.
+            renameat2(self.stage_name, self.name, RENAME_EXCHANGE, src_dir_fd=fd, dst_dir_fd=fd)
+            raise self.swapped_stage_error()
         self.remove_old_version(self.stage_name)  # the stage's name now holds the old version

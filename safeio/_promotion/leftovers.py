@@ -8,10 +8,16 @@ whose owner may be alive. Each behaviour holds its own recovery:
 - version directories: ``versioned.prune`` once no link points at them and they are past the grace;
 - anything else (a stage without intent, a temporary file or link): removed.
 Everything is relative to the held parent directory: nothing here follows a link someone planted.
+
+Ownership is part of liveness: a leftover whose owner is not its target's is never rolled forward,
+restored, merged from or removed — by a save, by recovery, or by root's ``safeio gc`` — only reported with
+its owner. Without a target, the owners that count are the parent directory's and this process's: another
+user's killed save in a shared directory is theirs to clean up.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import time
 
@@ -24,17 +30,46 @@ from safeio._storage import claims
 from safeio._storage.dirfd import held_directory, lstat_at
 from safeio._storage.fsops import remove_at
 from safeio._storage.names import Sibling, host_tag, may_have_siblings, parse
+from safeio._who import who
+
+logger = logging.getLogger("safeio")
 
 # Merges first (they complete targets), then asides (they restore missing ones), then the rest.
 _ORDER = {"stage": 0, "old": 1}
 
 
+def owners_that_count(parent_fd: int, listing: list[str], sibling: Sibling) -> frozenset[int]:
+    """Whose leftover ``sibling`` may be recovered: its target's owner when the target is there, else
+    the parent directory's owner and this process's euid."""
+    for name in listing:
+        if parse(name) is None and sibling.belongs_to(name):
+            st = lstat_at(parent_fd, name)
+            if st is not None:
+                return frozenset({st.st_uid})
+    return frozenset({os.fstat(parent_fd).st_uid, os.geteuid()})
+
+
 def staleness(
-    sibling: Sibling, parent: str, parent_fd: int | None, older_than: float | None, now: float
+    sibling: Sibling,
+    parent: str,
+    parent_fd: int | None,
+    older_than: float | None,
+    now: float,
+    owners: frozenset[int] | None = None,
 ) -> tuple[bool, str]:
-    """Whether a sibling may be recovered now, and why (or why not)."""
+    """Whether a sibling may be recovered now, and why (or why not). ``owners``: the uids whose
+    leftovers this may recover (see ``owners_that_count``); None: any."""
     if sibling.kind == "v":
         return False, "version directory in use, among the newest, or within its grace period"
+    st = lstat_at(parent_fd, sibling.name) if parent_fd is not None else _lstat(parent, sibling.name)
+    if st is None:
+        return False, "vanished"
+    if owners is not None and st.st_uid not in owners:
+        allowed = ", ".join(map(str, sorted(owners)))
+        return False, (
+            f"owned by uid {st.st_uid}, while only uid {allowed} may have it recovered here: never rolled "
+            "forward, restored or removed for anyone else; its owner's `safeio gc` removes it"
+        )
     alive = sibling.owner_is_alive()
     if alive and sibling.pid == os.getpid() and sibling.host == host_tag():
         # Our own: stale unless a save in this process is using it right now (an aside left behind by
@@ -45,9 +80,6 @@ def staleness(
         alive = False
     if alive:
         return False, f"owner pid {sibling.pid} is alive"
-    st = lstat_at(parent_fd, sibling.name) if parent_fd is not None else _lstat(parent, sibling.name)
-    if st is None:
-        return False, "vanished"
     age = now - st.st_mtime
     if older_than is not None and age < older_than:
         return False, f"{age:.0f} s old, younger than {older_than:g} s"
@@ -105,8 +137,11 @@ def recover_directory(
     siblings.sort(key=lambda s: _ORDER.get(s.kind, 2))
     actions: list[Action] = []
     for sibling in siblings:
-        stale, reason = staleness(sibling, parent, parent_fd, older_than, now)
+        owners = owners_that_count(parent_fd, listing, sibling)
+        stale, reason = staleness(sibling, parent, parent_fd, older_than, now, owners)
         if not stale:
+            if reason.startswith("owned by uid") and not dry_run:
+                logger.warning("%s: leaving %s alone: %s", who(), os.path.join(parent, sibling.name), reason)
             continue
         leftover = Leftover(sibling, parent, parent_fd, reason)
         try:

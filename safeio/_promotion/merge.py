@@ -85,6 +85,10 @@ class Merge(LocalPromotion):
                 self.target,
                 stage,
             )
+            # Its files may be read back into the target by a later save: nobody else may read or change
+            # them meanwhile (a shared directory).
+            with contextlib.suppress(OSError):
+                os.fchmod(self.stage_fd, 0o700)
             self.close()
             return
         super().discard(stage)

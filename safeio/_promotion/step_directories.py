@@ -35,10 +35,10 @@ from safeio._promotion.steps import (
     StepStorage,
 )
 from safeio._storage import claims
-from safeio._storage.dirfd import held_directory, lstat_at
+from safeio._storage.dirfd import held_directory, is_component, lstat_at
 from safeio._storage.fsops import remove_at
 from safeio._storage.location import Location
-from safeio._storage.names import sibling_name
+from safeio._storage.names import parse, sibling_name
 from safeio._storage.readers import LocalReader, read_pointer
 
 ROOT_LOCK = "checkpoints"  # one promotion lock per root: ``.checkpoints.safeio.lock``
@@ -239,6 +239,10 @@ class LocalSteps(StepStorage):
                 claims.release(name)
 
     # -- every rank ----------------------------------------------------------------------------------
+
+    def is_stage_of(self, stage_name: str, step: int) -> bool:
+        sibling = parse(stage_name) if is_component(stage_name) else None
+        return sibling is not None and sibling.kind == "stage" and sibling.belongs_to(self.names.format(step))
 
     def stage_visible(self, stage_name: str) -> bool:
         try:

@@ -247,6 +247,9 @@ class ObjectSteps(StepStorage):
 
     # -- every rank ----------------------------------------------------------------------------------
 
+    def is_stage_of(self, stage_name: str, step: int) -> bool:
+        return stage_name == self.names.format(step)  # written in place: the step's own prefix
+
     def stage_visible(self, stage_name: str) -> bool:
         return True  # a prefix needs no directory to exist
 

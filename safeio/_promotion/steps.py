@@ -139,6 +139,11 @@ class StepStorage(ABC):
         """The writer: the commit of ``step`` (its stage is made by ``open_stage``); retention after it
         never removes a step named in ``protect``."""
 
+    @abstractmethod
+    def is_stage_of(self, stage_name: str, step: int) -> bool:
+        """Whether ``stage_name`` (heard from the writer through the store: input like anything read) is a
+        name this kind of place gives the stage of ``step``: one component beside the step, never a path."""
+
     def identity(self, name: str) -> object | None:
         """What tells the directory at ``name`` from any other that may stand there later (None: this kind
         of place cannot tell, and a marker is read every time)."""

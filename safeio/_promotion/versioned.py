@@ -53,6 +53,9 @@ class Versioned(LocalPromotion):
         self.seal_stage()
         version_name = sibling_name(name, "v")
         os.rename(self.stage_name, version_name, src_dir_fd=pfd, dst_dir_fd=pfd)
+        if not self.promoted_is_stage(version_name):  # never link the target to what someone swapped in
+            os.rename(version_name, self.stage_name, src_dir_fd=pfd, dst_dir_fd=pfd)
+            raise self.swapped_stage_error()
         st = lstat_at(pfd, name)
         if st is not None and stat.S_ISDIR(st.st_mode):
             # First versioned save over a plain directory: it becomes a version too (the name is missing

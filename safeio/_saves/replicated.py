@@ -65,7 +65,6 @@ class _Promoting(Protocol):
 
 
 class _Visibility(Protocol):
-    def note_entry(self) -> None: ...
     def landed(self) -> bool: ...
     def result(self) -> Any: ...
 
@@ -124,8 +123,6 @@ class ReplicatedSave:
             else:
                 path = ""  # no body runs here: nothing to write, no scratch to make
             self._visibility = self._make_visibility(channel)
-            if not channel.hears_through_store:  # the filesystem is the only way to hear the outcome
-                self._visibility.note_entry()
         if path:  # a peer that runs no body has no stage for nested saves to write into
             self._entry = active.ActiveStage(target_key, path)
             active.push(self._entry)

@@ -9,6 +9,7 @@ number).
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 from safeio._storage.readers import TargetReader
@@ -37,29 +38,25 @@ class DirectoryVisibility:
         self.call_id = call_id
         self.manifest = manifest or reader.marker_required  # on object stores it is the commit marker
         self._reader = reader
-        # The manifest's call id when this peer entered the save (read only when there is no store to
-        # hear the outcome from): any other complete version seen later was promoted since, by our writer
-        # or a newer save (a rival job's), and ends the wait. Not read: a rival's version never does.
-        self.seen_at_start: object = _NOT_READ
         self._landed: dict[str, Any] | None = None
         self._landed_call: dict[str, Any] | None = None
 
-    def note_entry(self) -> None:
-        if self.manifest:
-            record = self._reader.manifest()
-            self.seen_at_start = record.get("call") if record else None
-
     def _covering(self, record: dict[str, Any], newer: bool = False) -> dict[str, Any] | None:
-        """The call record of ``record`` that shows this save landed, if any. ``newer``: ``record`` is
-        known to be a version promoted after this save's (see ``shows_version``)."""
+        """The call record of ``record`` that shows this save landed, if any: only a version naming this
+        save (or a later one of the same job and identity: the writer saved again before a slow peer
+        looked), written by this user. ``newer``: the writer's outcome, heard through the store, named
+        a version, and ``record`` was promoted after it (a rival job's): ours landed before it (see
+        ``shows_version``). Without that outcome a rival's version never ends the wait: a peer with no
+        store must not take another job's save (another user's) for its own."""
+        owner = self._reader.owner(record)
+        if owner is not None and owner != os.geteuid():
+            return None
         calls = record.get("calls") or [{"call": record.get("call"), "result": record.get("result")}]
         for call in reversed(calls):
             if call_covers(call.get("call"), self.call_id):
                 return dict(call)
         recorded = record.get("call")
-        rival = isinstance(recorded, str) and _job(recorded) != _job(self.call_id)
-        if rival and (newer or (self.seen_at_start is not _NOT_READ and recorded != self.seen_at_start)):
-            # Another job's save promoted since this peer entered (a rival writer): the wait is over.
+        if newer and isinstance(recorded, str) and _job(recorded) != _job(self.call_id):
             return {"call": recorded, "result": record.get("result")}
         return None
 
@@ -99,9 +96,6 @@ class DirectoryVisibility:
         return self._landed_call.get("result") if self._landed_call else None
 
 
-_NOT_READ = object()
-
-
 def _job(call_id: str) -> str:
     return call_id.split("/", 1)[0]
 
@@ -111,9 +105,6 @@ class FileVisibility:
 
     def __init__(self, reader: TargetReader) -> None:
         self._reader = reader
-
-    def note_entry(self) -> None:
-        pass
 
     def landed(self) -> bool:
         return self._reader.file_exists()

@@ -215,4 +215,12 @@ def _describe_holder(lock: PromotionLock) -> str | None:
         return None
     if marker is None or marker.holder is None:
         return None
-    return f"pid {marker.holder.pid} on {marker.holder.host}"
+    described = f"pid {marker.holder.pid} on {marker.holder.host}"
+    if marker.st.st_uid != os.geteuid() and marker.holder.alive() is False:
+        # A dead holder's marker this user may not break (another user's, in a sticky share): named, so
+        # that the one who can remove it knows what to remove.
+        described += (
+            f", which is gone; the marker belongs to uid {marker.st.st_uid} and only they (or their "
+            "`safeio gc`) can remove it"
+        )
+    return described

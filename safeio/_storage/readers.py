@@ -99,8 +99,8 @@ class TargetReader(ABC):
 
     @abstractmethod
     def owner(self, record: dict[str, Any]) -> int | None:
-        """The uid that wrote the target whose manifest is ``record`` (a local directory's owner; on an
-        object store, what its marker says), or None when it cannot be told."""
+        """The uid that wrote the manifest ``record`` of the target (a local manifest file's owner; on an
+        object store, what the marker says), or None when it cannot be told."""
 
     def committed_marker(self, *, check_files: bool = True) -> dict[str, Any] | None:
         """The marker of a committed checkpoint step at the target: a manifest with an integer step that
@@ -142,9 +142,9 @@ class LocalReader(TargetReader):
             return False
 
     def owner(self, record: dict[str, Any]) -> int | None:
-        # The directory's owner: another user cannot make a directory that is ours, whatever it holds.
+        # The manifest file's owner: another user cannot make a file that is ours, whatever it says.
         try:
-            return os.lstat(self.location.path).st_uid
+            return os.lstat(os.path.join(self.location.path, manifest.MANIFEST_NAME)).st_uid
         except OSError:
             return None
 

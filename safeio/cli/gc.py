@@ -18,7 +18,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from safeio._promotion.leftovers import recover_directory, staleness
+from safeio._promotion.leftovers import owners_that_count, recover_directory, staleness
 from safeio._promotion.recovery_records import Action
 from safeio._storage.dirfd import lstat_at
 from safeio._storage.lock_markers import read_marker, remove_if_unchanged
@@ -140,7 +140,8 @@ def _collect(
         path = os.path.join(directory, name)
         sibling = parse(name)
         if sibling is not None and path not in acted and lstat_at(dir_fd, name) is not None:
-            reason = staleness(sibling, directory, dir_fd, older_than, now)[1]
+            owners = owners_that_count(dir_fd, names, sibling)
+            reason = staleness(sibling, directory, dir_fd, older_than, now, owners)[1]
             report.kept.append({"path": path, "reason": reason})
         elif sibling is None and _is_lock_name(name):
             _collect_lock(directory, dir_fd, name, report, older_than, dry_run, now)
@@ -172,6 +173,16 @@ def _collect_lock(
     path = os.path.join(directory, name)
     marker = read_marker(dir_fd, name)
     if marker is None:
+        return
+    owners = _lock_owners(dir_fd, name)
+    if marker.st.st_uid not in owners:
+        allowed = ", ".join(map(str, sorted(owners)))
+        report.kept.append(
+            {
+                "path": path,
+                "reason": f"lock owned by uid {marker.st.st_uid}, not uid {allowed}: left to its owner",
+            }
+        )
         return
     age = now - marker.st.st_mtime
     holder = marker.holder
@@ -208,6 +219,15 @@ def _collect_lock(
     report.actions.append(
         {"verb": "remove", "path": path, "reason": reason, "size": marker.st.st_size, "done": done}
     )
+
+
+def _lock_owners(dir_fd: int, name: str) -> frozenset[int]:
+    """Whose lock markers gc may remove: the locked target's owner, else the directory's and gc's own."""
+    target = name[1 : -len(LOCK_SUFFIX)]
+    st = lstat_at(dir_fd, target)
+    if st is not None:
+        return frozenset({st.st_uid})
+    return frozenset({os.fstat(dir_fd).st_uid, os.geteuid()})
 
 
 def _print(report: Report) -> None:

@@ -278,3 +278,32 @@ def test_a_kill_while_retired_steps_are_deleted_leaves_no_half_step_and_gc_finis
     done = subprocess.run([sys.executable, "-m", "safeio", "gc", str(run)], capture_output=True, text=True)
     assert done.returncode == 0, done.stdout + done.stderr
     assert not any(n.startswith(".step_1.safeio-") for n in os.listdir(run)), os.listdir(run)
+
+
+def _announce_a_crafted_stage(rank: int, world: int, root: str, crafted: str) -> str:
+    """Rank 0 announces ``crafted`` as the stage (a compromised or buggy writer); what each rank raised."""
+    from safeio._coordination.checkpoint_call import CheckpointCall
+
+    if rank == 0:
+        real = CheckpointCall.announce
+
+        def crafted_announce(self: CheckpointCall, value: Any) -> None:
+            real(self, {**value, "stage": crafted} if value.get("ok") else value)
+
+        CheckpointCall.announce = crafted_announce  # type: ignore[method-assign]
+    try:
+        with safeio.Checkpoints(root, timeout=5).save(1) as ckpt:
+            Path(ckpt.path, f"shard_{rank}").write_text("x")
+    except safeio.CheckpointError as exc:
+        return str(exc)
+    return "no error"
+
+
+@pytest.mark.parametrize("crafted", ["/tmp/elsewhere", "../elsewhere", ".step_1.safeio-stage-x/../../e"])
+def test_a_stage_name_heard_through_the_store_must_be_one_safeio_gives(
+    shared_dir: Path, crafted: str
+) -> None:
+    results = run_ranks(_announce_a_crafted_stage, 2, str(shared_dir / "run"), crafted, timeout=120)
+    assert "is not one safeio gives" in results[1].value, results[1].value
+    assert "never reported" in results[0].value, results[0].value  # and nothing is committed
+    assert not (shared_dir / "run" / "step_1").exists() and not (shared_dir / "elsewhere").exists()

@@ -86,6 +86,54 @@ def r2baseline1_owner_blind_recovery_rolls_their_files_into_your_target(share: S
     assert read_tree(target)["evil.txt"] == "theirs"
 
 
+# ---- 2. retention deletes your checkpoints for another user's higher steps -----------------------
+
+
+def _step(ckpts: safeio.Checkpoints, step: int, text: str) -> Any:
+    with ckpts.save(step) as ckpt:
+        Path(ckpt.path, "weights.bin").write_text(text)
+    return ckpt
+
+
+@case
+def r2case2_another_users_steps_are_never_retired_nor_resumed_from(share: Share) -> None:
+    root = share.share / "run"
+    theirs = safeio.Checkpoints(root, keep=None, timeout=10)
+    for step in (50, 60):  # committed-looking steps of another user, moved into your root
+        _step(theirs, step, "theirs")
+        _chown_tree(root / f"step_{step}", OTHER)
+    ours = safeio.Checkpoints(root, keep=2, timeout=10)
+    for step in (1, 2, 3):
+        _step(ours, step, "ours")
+    latest = ours.latest()
+    assert latest is not None and latest.step == 3, latest
+    assert ours.steps() == [2, 3]
+    assert (root / "step_50" / "weights.bin").read_text() == "theirs" and (root / "step_60").is_dir()
+    code, text = cli("ls", str(root))
+    assert code == 0 and f"another user's (uid {OTHER})" in text, text
+
+
+# ---- 4. "nothing was committed" after a commit --------------------------------------------------
+
+
+@case
+def r2case4_a_directory_planted_at_latest_leaves_the_step_committed_and_says_so(share: Share) -> None:
+    root = share.share / "run"
+    ckpts = safeio.Checkpoints(root, keep=None, timeout=10)
+    _step(ckpts, 1, "one")
+    (root / "latest").unlink()
+    (root / "latest").mkdir()  # planted
+    with captured_warnings() as warnings:
+        ckpt = _step(ckpts, 2, "two")
+    assert len(ckpt.warnings) == 1 and "step 2 is committed, but the pointer" in ckpt.warnings[0], (
+        ckpt.warnings
+    )
+    assert any("step 2 is committed" in w for w in warnings), warnings
+    latest = ckpts.latest()
+    assert latest is not None and latest.step == 2 and safeio.verify(root / "step_2") == []
+    assert (root / "latest").is_dir()  # not removed: it is not safeio's
+
+
 # ---- 3. a stage swapped after the last identity check -------------------------------------------
 
 
@@ -253,6 +301,7 @@ def r2baseline8_removing_another_users_leftover_in_a_sticky_share_is_refused(sha
 
 ROOT_ONLY.update(
     {
+        "r2case2_another_users_steps_are_never_retired_nor_resumed_from",
         "r2case1_another_users_merge_stage_is_never_rolled_into_your_target",
         "r2baseline1_owner_blind_recovery_rolls_their_files_into_your_target",
         "r2case8_another_users_killed_save_neither_blocks_yours_nor_goes_unnamed",

@@ -18,6 +18,7 @@ spawned rank's failure to its parent), so every class pickles with its attribute
 
 from __future__ import annotations
 
+import errno
 import os
 from typing import Any
 
@@ -25,7 +26,8 @@ from typing import Any
 def _restore(cls: type[SafeIOError], args: tuple[Any, ...], state: dict[str, Any]) -> SafeIOError:
     error = cls.__new__(cls)
     BaseException.__init__(error, *args)
-    error.__dict__.update(state)
+    for name, value in state.items():
+        setattr(error, name, value)  # setattr: OSError's errno, strerror, filename are not in __dict__
     return error
 
 
@@ -40,7 +42,10 @@ class SafeIOError(Exception):
         return str(self.args[0]) if self.args else ""
 
     def __reduce__(self) -> tuple[Any, ...]:
-        return (_restore, (type(self), self.args, dict(self.__dict__)))
+        state = dict(self.__dict__)
+        if isinstance(self, OSError):
+            state.update(errno=self.errno, strerror=self.strerror, filename=self.filename)
+        return (_restore, (type(self), self.args, state))
 
 
 class InvalidTargetError(SafeIOError, ValueError):
@@ -52,7 +57,15 @@ class InvalidOptionError(SafeIOError, ValueError):
 
 
 class TargetExistsError(SafeIOError, FileExistsError):
-    """``mode="error"`` and the target already exists."""
+    """``mode="error"`` (or exclusive creation) and the target already exists. Like the
+    ``FileExistsError`` the OS raises, ``errno`` is ``EEXIST`` and ``filename`` the path, so code written
+    for ``open(path, "x")`` (python-atomicwrites' callers, for one) handles it unchanged."""
+
+    def __init__(self, message: str, path: str | os.PathLike[str] | None = None) -> None:
+        super().__init__(message, path)
+        self.errno = errno.EEXIST
+        self.strerror = os.strerror(errno.EEXIST)
+        self.filename = self.path
 
 
 class PromotionError(SafeIOError, OSError):

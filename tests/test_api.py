@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import os
 import pickle
 import subprocess
@@ -71,6 +72,19 @@ def test_errors_are_rooted_mixed_in_and_picklable(error: errors.SafeIOError, bui
     copy = pickle.loads(pickle.dumps(error))
     assert type(copy) is type(error) and str(copy) == str(error) and copy.__dict__ == error.__dict__
     assert copy.path == "/p"
+    if isinstance(error, OSError):
+        assert isinstance(copy, OSError)
+        assert (copy.errno, copy.strerror, copy.filename) == (error.errno, error.strerror, error.filename)
+
+
+def test_target_exists_error_carries_eexist_like_the_os_error(tmp_path: Path) -> None:
+    """Code written for ``open(path, "x")`` tests ``errno == EEXIST``; the drop-in must pass it."""
+    path = tmp_path / "f"
+    path.write_text("old")
+    with pytest.raises(FileExistsError) as info, safeio.atomic_open(path, "x") as f:
+        f.write("new")
+    assert info.value.errno == errno.EEXIST and info.value.filename == str(path)
+    assert path.read_text() == "old"
 
 
 def test_group_from_environment() -> None:

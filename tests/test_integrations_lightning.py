@@ -9,6 +9,7 @@ from typing import Any
 
 import pytest
 
+from safeio import InvalidTargetError
 from safeio.testing.nfslike import Mount
 from safeio.testing.ranks import run_ranks
 
@@ -23,10 +24,19 @@ class _DieWhilePickled:
 
 
 def _fit(
-    rank: int, world: int, root: str, max_steps: int, resume: bool, die_at: int | None, use_async: bool
+    rank: int,
+    world: int,
+    root: str,
+    max_steps: int,
+    resume: bool,
+    die_at: int | None,
+    use_async: bool,
+    callback: str = "safe",
+    callback_options: dict[str, Any] | None = None,
 ) -> Any:
     import lightning as L
     import torch
+    from lightning.pytorch.callbacks import ModelCheckpoint
     from lightning.pytorch.plugins.io import AsyncCheckpointIO
     from torch.utils.data import DataLoader, TensorDataset
 
@@ -38,6 +48,7 @@ def _fit(
             torch.manual_seed(0)
             self.layer = torch.nn.Linear(4, 1)
             self.started_at: int | None = None
+            self.best_at_start: str | None = None
 
         def training_step(self, batch: Any, batch_idx: int) -> Any:
             return self.layer(batch[0]).pow(2).sum()
@@ -47,6 +58,7 @@ def _fit(
 
         def on_train_start(self) -> None:
             self.started_at = self.global_step
+            self.best_at_start = self.trainer.checkpoint_callback.best_model_path  # restored by then
 
         def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
             if die_at is not None and self.global_step == die_at:
@@ -61,13 +73,14 @@ def _fit(
         max_steps=max_steps,
         plugins=[AsyncCheckpointIO(io) if use_async else io],
         callbacks=[
-            SafeModelCheckpoint(
+            (SafeModelCheckpoint if callback == "safe" else ModelCheckpoint)(
                 dirpath=root,
                 save_last="link",
                 save_top_k=2,
                 monitor="step",
                 mode="max",
                 every_n_train_steps=1,
+                **(callback_options or {}),
             )
         ],
         logger=False,
@@ -81,6 +94,7 @@ def _fit(
     same = all(torch.equal(saved["state_dict"][k], v) for k, v in model.state_dict().items())
     return {
         "started_at": model.started_at,
+        "best_at_start": os.path.basename(model.best_at_start or ""),
         "step": trainer.global_step,
         "last_step": saved["global_step"],
         "same": same,
@@ -116,3 +130,29 @@ def test_a_kill_during_a_save_leaves_the_previous_checkpoint_to_resume(tmp_path:
     assert os.readlink(os.path.join(root, "last.ckpt")) == "epoch=0-step=2.ckpt"
     resumed = run_ranks(_fit, 1, root, 4, True, None, False, timeout=240)
     assert resumed[0].value["started_at"] == 2 and resumed[0].value["step"] == 4
+
+
+@pytest.mark.parametrize(("first", "then"), [("plain", "safe"), ("safe", "plain"), ("plain", "plain")])
+def test_resume_keeps_the_best_checkpoint_across_the_two_callbacks(
+    tmp_path: Path, first: str, then: str
+) -> None:
+    """A run ModelCheckpoint wrote resumes under SafeModelCheckpoint with its best path, and back; the
+    plain-to-plain pair is Lightning's own behaviour, which the drop-in must match."""
+    root = str(tmp_path / "ckpt")
+    run_ranks(_fit, 1, root, 3, False, None, False, first, timeout=240)
+    resumed = run_ranks(_fit, 1, root, 4, True, None, False, then, timeout=240)
+    assert resumed[0].value["started_at"] == 3
+    assert resumed[0].value["best_at_start"] == "epoch=0-step=3.ckpt", resumed[0].value
+
+
+def test_a_directory_at_the_link_path_is_refused_by_name(tmp_path: Path) -> None:
+    root = tmp_path / "ckpt"
+    (root / "last.ckpt").mkdir(parents=True)
+    (root / "last.ckpt" / "kept").write_text("someone's file")
+    # Without the version counter, Lightning links last.ckpt itself instead of making last-v1.ckpt.
+    options = {"enable_version_counter": False}
+    failed = run_ranks(_fit, 1, str(root), 2, False, None, False, "safe", options, timeout=240, check=False)
+    error = failed[0].error
+    assert isinstance(error, InvalidTargetError) and str(root / "last.ckpt") in str(error), failed
+    assert (root / "last.ckpt" / "kept").read_text() == "someone's file"
+    assert [n for n in os.listdir(root) if ".safeio-" in n] == []  # the new link was not left behind

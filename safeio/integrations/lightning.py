@@ -10,7 +10,10 @@ renaming them aside first, and composes with ``AsyncCheckpointIO(SafeCheckpointI
 
 ``ModelCheckpoint(save_last="link")`` replaces ``last.ckpt`` by removing it and then creating the link:
 in between, and after a crash there, there is no ``last.ckpt`` at all. ``SafeModelCheckpoint`` makes
-the new link beside it and renames it over the old one.
+the new link beside it and renames it over the old one. It keeps ``ModelCheckpoint``'s ``state_key``, so
+a run resumes the best model path and top-k list from a checkpoint either callback wrote. Where
+Lightning removes a directory found at the link path (``shutil.rmtree``), it refuses with
+``InvalidTargetError`` naming it: a directory tree in a shared directory is not removed on a guess.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ from typing import Any
 from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
 from lightning.pytorch.callbacks import ModelCheckpoint
 
+from safeio._errors import InvalidTargetError
 from safeio._promotion.backends import backend_for
 from safeio._saves.atomic import atomic_open
 from safeio._storage.claims import claimed
@@ -61,6 +65,16 @@ class SafeCheckpointIO(TorchCheckpointIO):
 class SafeModelCheckpoint(ModelCheckpoint):
     """``ModelCheckpoint`` whose ``last.ckpt`` link (``save_last="link"``) is replaced atomically."""
 
+    @property
+    def state_key(self) -> str:
+        # Lightning keys a callback's saved state by its class name: under its own name this callback
+        # would not find what ModelCheckpoint saved (the best path, the top-k list), nor the reverse.
+        key: str = super().state_key
+        ours = type(self).__qualname__
+        if type(self) is SafeModelCheckpoint and key.startswith(ours):
+            key = ModelCheckpoint.__qualname__ + key[len(ours) :]
+        return key
+
     @staticmethod
     def _link_checkpoint(trainer: Any, filepath: str, linkpath: str) -> None:
         if trainer.is_global_zero and os.path.abspath(filepath) != os.path.abspath(linkpath):
@@ -77,6 +91,10 @@ class SafeModelCheckpoint(ModelCheckpoint):
                     os.replace(temporary, name, src_dir_fd=parent_fd, dst_dir_fd=parent_fd)
                 except IsADirectoryError:
                     os.unlink(temporary, dir_fd=parent_fd)
-                    raise
+                    raise InvalidTargetError(
+                        f"{linkpath} is a directory, so the last-checkpoint link cannot replace it; "
+                        "move or remove it (ModelCheckpoint would delete it with its contents)",
+                        linkpath,
+                    ) from None
                 os.fsync(parent_fd)
         trainer.strategy.barrier()

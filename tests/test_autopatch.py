@@ -3,7 +3,10 @@
 Unmodified programs whose workers are fresh interpreters (``mp.spawn``; Lightning's ``ddp_spawn``) save
 a tokenizer on every rank into one directory of the NFS-like mount — the seed's failure — first without
 the variable (shown failing: hazards, failed saves), then with it (no hazard, no failure, every worker
-patched). And the hook's cost when the variable is unset: it imports nothing.
+patched). An unmodified HF Trainer program under torchrun, a rank killed in the middle of a checkpoint:
+without the variable the resume takes the partial checkpoint and crashes; with it, it resumes from the
+last committed one. Which parts each value of the variable patches. And the hook's cost when the
+variable is unset: it imports nothing.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ from typing import Any
 import pytest
 
 from safeio.testing.nfslike import Mount
+from safeio.testing.ranks import free_port
 
 ROOT = Path(__file__).resolve().parent.parent
 INTERLOCK = {"hazard_timeout": 0.5}
@@ -75,6 +79,117 @@ def test_safeio_patch_protects_spawned_workers(
     assert safeio.verify(patched_dir) == []
 
 
+def _torchrun(output: Path, report: Path, patch: str | None, *options: str) -> subprocess.Popen[str]:
+    report.mkdir(parents=True, exist_ok=True)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SAFEIO_PATCH")}
+    if patch is not None:
+        env["SAFEIO_PATCH"] = patch
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2"]
+    command += ["--master-port", str(free_port()), "-m", "tests._trainer_program", str(output), str(report)]
+    return subprocess.Popen(
+        [*command, *options], cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+
+
+def _finished(program: subprocess.Popen[str]) -> tuple[int, str]:
+    _stdout, stderr = program.communicate(timeout=240)
+    return program.returncode, stderr
+
+
+def _entries(output: Path) -> list[str]:
+    return sorted(n for n in os.listdir(output) if "checkpoint-" in n)
+
+
+def test_safeio_patch_makes_an_unmodified_trainer_resume_from_a_committed_checkpoint(
+    nfslike_mount: Mount, tmp_path: Path
+) -> None:
+    plain, patched = nfslike_mount.path / "plain", nfslike_mount.path / "patched"
+    # Rank 0 SIGKILLed in the middle of writing checkpoint-4 (checkpoint-2 was saved before), both ways.
+    killed = [
+        _torchrun(plain, tmp_path / "plain-killed", None, "--kill-at", "4"),
+        _torchrun(patched, tmp_path / "patched-killed", "1", "--kill-at", "4"),
+    ]
+    (plain_code, plain_err), (patched_code, patched_err) = map(_finished, killed)
+    assert plain_code != 0 and "SIGKILL" in plain_err, plain_err[-3000:]
+    assert patched_code != 0 and "SIGKILL" in patched_err, patched_err[-3000:]
+    # Without safeio the partial checkpoint stands under its final name; with it, only its stage.
+    assert _entries(plain) == ["checkpoint-2", "checkpoint-4"]
+    assert "model.safetensors" in os.listdir(plain / "checkpoint-4")
+    assert "trainer_state.json" not in os.listdir(plain / "checkpoint-4")
+    assert [n for n in _entries(patched) if not n.startswith(".")] == ["checkpoint-2"]
+    resumed = [
+        _torchrun(plain, tmp_path / "plain-resumed", None, "--resume", "last"),  # run_clm's way
+        _torchrun(patched, tmp_path / "patched-resumed", "1", "--resume", "true"),
+    ]
+    (plain_code, plain_err), (patched_code, patched_err) = map(_finished, resumed)
+    # The failure: transformers' get_last_checkpoint takes checkpoint-4 and every rank crashes on it.
+    assert plain_code != 0, plain_err[-3000:]
+    assert "No such file or directory" in plain_err and "checkpoint-4/trainer_state.json" in plain_err
+    # With SAFEIO_PATCH=1: get_last_checkpoint (imported by name) and train(resume_from_checkpoint=True)
+    # both give checkpoint-2, every rank resumes from step 2 and the run finishes.
+    assert patched_code == 0, patched_err[-3000:]
+    reports = [json.loads((tmp_path / "patched-resumed" / f"rank{r}.json").read_text()) for r in (0, 1)]
+    assert [(r["started_at"], r["step"]) for r in reports] == [(2, 6), (2, 6)], reports
+    assert {r["last"] for r in reports} == {str(patched / "checkpoint-2")}
+    assert all(r["patched"].endswith(":save_pretrained,trainer") for r in reports), reports
+    # Every checkpoint committed (the dead writer's stage cleared), rotated to save_total_limit=2.
+    assert _entries(patched) == ["checkpoint-4", "checkpoint-6"]
+    import safeio
+
+    assert safeio.verify(patched / "checkpoint-6") == [] and safeio.verify(patched / "checkpoint-4") == []
+
+
+_PARTS_PROBE = """
+import json, os, transformers
+from transformers.trainer_utils import get_last_checkpoint
+import transformers.trainer as trainer
+print(json.dumps({
+    "active": os.environ.get("SAFEIO_PATCH_ACTIVE", ":").split(":")[1],
+    "trainer": hasattr(trainer.Trainer._save_checkpoint, "__wrapped__"),
+    "lookup": get_last_checkpoint.__module__,
+}))
+"""
+
+
+def test_the_values_of_safeio_patch() -> None:
+    from safeio._autopatch.startup import parts
+
+    assert (
+        parts("1") == parts("all") == parts("save_pretrained,trainer") == (["save_pretrained", "trainer"], [])
+    )
+    assert parts("models") == (["save_pretrained", "trainer", "models"], [])  # 1 and models, as before
+    assert parts("models,-trainer") == (["save_pretrained", "models"], [])
+    assert parts("save_pretrained") == (["save_pretrained"], [])
+    assert parts("trainer, Bogus") == (["trainer"], ["bogus"])
+    assert parts("1,0") == parts("off") == parts("-save_pretrained") == ([], [])
+    assert parts("trainer,models") == (["save_pretrained", "trainer", "models"], [])
+
+
+def test_each_value_of_safeio_patch_patches_its_parts() -> None:
+    # The opt-out leaves the Trainer as transformers wrote it; an unknown word never stops the rest.
+    values = ["save_pretrained", "trainer,bogus"]
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SAFEIO_PATCH")}
+    probes = [
+        subprocess.Popen(
+            [sys.executable, "-c", _PARTS_PROBE],
+            env={**env, "SAFEIO_PATCH": value},
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for value in values
+    ]
+    done = {value: probe.communicate(timeout=120) for value, probe in zip(values, probes, strict=True)}
+    found = {value: json.loads(out.strip().splitlines()[-1]) for value, (out, _) in done.items()}
+    ours, theirs = "safeio.integrations.transformers", "transformers.trainer_utils"
+    assert found == {
+        "save_pretrained": {"active": "save_pretrained", "trainer": False, "lookup": theirs},
+        "trainer,bogus": {"active": "trainer", "trainer": True, "lookup": ours},
+    }
+    # An unknown word is reported once at start-up, and the rest still applies.
+    assert done["trainer,bogus"][1].count("unknown 'bogus' ignored") == 1, done["trainer,bogus"][1]
+
+
 def test_the_hook_costs_nothing_when_the_variable_is_unset() -> None:
     env = {k: v for k, v in os.environ.items() if not k.startswith("SAFEIO_PATCH")}
     probe = "import sys; print(sorted(m for m in sys.modules if m.startswith('safeio')))"
@@ -93,12 +208,18 @@ def test_the_hook_costs_nothing_when_the_variable_is_unset() -> None:
 
 
 def test_safeio_autopatch_reports_the_hook_and_a_patched_process() -> None:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SAFEIO_PATCH")}
     done = subprocess.run(
-        [sys.executable, "-m", "safeio", "autopatch", "--json"], capture_output=True, text=True, timeout=300
+        [sys.executable, "-m", "safeio", "autopatch", "--json"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
     )
     assert done.returncode == 0, done.stdout + done.stderr
     report = json.loads(done.stdout)
     assert report["hook"].endswith("safeio-autopatch.pth") and report["new_process_patched"] is True
+    assert report["parts"] == ["save_pretrained", "trainer"], report
 
 
 def test_a_broken_hook_never_breaks_start_up(tmp_path: Path) -> None:

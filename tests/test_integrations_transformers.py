@@ -117,3 +117,37 @@ def test_safe_trainer_and_an_unsupported_trainer_shape() -> None:
 
     with pytest.raises(safeio.UnsupportedSaveError, match="not the \\(model, trial\\) method"):
         Renamed()
+
+
+def test_patch_trainer_installs_and_uninstalls_in_process() -> None:
+    import transformers.trainer as trainer_module
+    from transformers import Trainer, trainer_utils
+
+    from safeio.integrations import transformers as safe_transformers
+    from safeio.integrations.transformers import CheckpointsTrainerMixin, patch_trainer
+
+    before = (vars(Trainer)["_save_checkpoint"], vars(Trainer)["train"], trainer_utils.get_last_checkpoint)
+    assert trainer_module.get_last_checkpoint is before[2]
+    with patch_trainer():
+        with patch_trainer():  # installs nest; the outer one still holds the patch after this one
+            pass
+        assert vars(Trainer)["_save_checkpoint"].__wrapped__ is before[0]
+        assert vars(Trainer)["train"].__wrapped__ is before[1]
+        # Wherever it was imported by name: transformers.trainer's namespace, and a script's afterwards.
+        assert trainer_utils.get_last_checkpoint is safe_transformers.get_last_checkpoint
+        assert trainer_module.get_last_checkpoint is safe_transformers.get_last_checkpoint
+        from transformers.trainer_utils import get_last_checkpoint
+
+        assert get_last_checkpoint is safe_transformers.get_last_checkpoint
+
+        # A mixin instance is the mixin's business: the patch calls the Trainer's own method, unstaged.
+        class Stepped(CheckpointsTrainerMixin, Trainer):
+            def __init__(self) -> None:  # no model, no arguments: only _save_checkpoint is called
+                pass
+
+        calls: list[str] = []
+        wrapper = safe_transformers._patched_save_checkpoint(lambda self, model, trial: calls.append("own"))
+        wrapper(Stepped(), None, None)
+        assert calls == ["own"]
+    after = (vars(Trainer)["_save_checkpoint"], vars(Trainer)["train"], trainer_utils.get_last_checkpoint)
+    assert after == before and trainer_module.get_last_checkpoint is before[2]

@@ -1,8 +1,9 @@
-"""``safeio autopatch``: is ``SAFEIO_PATCH=1`` able to protect code you cannot edit, here?
+"""``safeio autopatch``: is ``SAFEIO_PATCH`` able to protect code you cannot edit, here?
 
 Reports whether the start-up hook (``safeio-autopatch.pth``) is installed in this interpreter's
-site-packages, what ``SAFEIO_PATCH`` is set to, and starts a fresh interpreter with ``SAFEIO_PATCH=1``
-that imports transformers, to show the patch really arrives in a new process (as in a spawned worker).
+site-packages, what ``SAFEIO_PATCH`` is set to, and starts a fresh interpreter with that value (``1``
+when it is unset or off) that imports transformers and its Trainer, to show which parts of the patch
+really arrive in a new process (as in a spawned worker).
 """
 
 from __future__ import annotations
@@ -17,18 +18,23 @@ from typing import Any
 from safeio.cli._common import EXIT_OK, EXIT_PROBLEMS, print_json
 
 PTH = "safeio-autopatch.pth"
-_PROBE = "import os, transformers; print(os.environ.get('SAFEIO_PATCH_ACTIVE', ''))"
+_PROBE = "import os, transformers, transformers.trainer; print(os.environ.get('SAFEIO_PATCH_ACTIVE', ''))"
+_OFF = ("", "0")  # what the start-up hook's one line takes for unset
 
 
 def add_parser(commands: Any, epilog: str) -> None:
     parser = commands.add_parser(
         "autopatch",
-        help="check that SAFEIO_PATCH=1 patches save_pretrained in every new Python process",
+        help="check that SAFEIO_PATCH patches save_pretrained and the Trainer in every new Python process",
         description="With SAFEIO_PATCH=1 in the environment, every Python process started with it "
         "(spawned workers included) routes transformers' save_pretrained through safeio from the moment "
-        "transformers is imported (SAFEIO_PATCH=models: models too). This command checks that the "
-        f"start-up hook ({PTH}) is installed and proves it in a fresh interpreter. Exit 0 when it works, "
-        "1 when it does not.",
+        "transformers is imported, and stages and commits every Trainer's checkpoint-N (resuming, and "
+        "transformers' get_last_checkpoint, only from committed ones) from the moment the Trainer is. "
+        "Values, a comma-separated list: 1 or all (save_pretrained and trainer), models (that and models' "
+        "save_pretrained too), save_pretrained, trainer, -PART to leave one out (models,-trainer), 0 off; "
+        "an unknown word is reported on stderr. This command checks that the "
+        f"start-up hook ({PTH}) is installed and shows the parts a fresh interpreter gets with this "
+        "SAFEIO_PATCH (1 when unset). Exit 0 when it works, 1 when it does not.",
         epilog=epilog,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
@@ -44,16 +50,21 @@ def hook_files() -> list[str]:
 
 def run(args: argparse.Namespace) -> int:
     hooks = hook_files()
-    env = {**os.environ, "SAFEIO_PATCH": "1"}
+    here = os.environ.get("SAFEIO_PATCH")
+    value = "1" if here is None or here.strip() in _OFF else here
+    env = {**os.environ, "SAFEIO_PATCH": value}
     probe = subprocess.run(
         [sys.executable, "-c", _PROBE], capture_output=True, text=True, env=env, timeout=300
     )
-    pid = probe.stdout.strip().splitlines()[-1] if probe.stdout.strip() else ""
-    works = probe.returncode == 0 and pid.isdigit()
+    active = probe.stdout.strip().splitlines()[-1] if probe.stdout.strip() else ""
+    pid, _, parts = active.partition(":")  # <pid>:<part>,<part> (see safeio/_autopatch/startup.py)
+    works = probe.returncode == 0 and pid.isdigit() and bool(parts)
     report = {
         "hook": hooks[0] if hooks else None,
-        "SAFEIO_PATCH": os.environ.get("SAFEIO_PATCH"),
+        "SAFEIO_PATCH": here,
+        "probed_with": value,
         "new_process_patched": works,
+        "parts": parts.split(",") if works else [],
         "probe_error": None if works else (probe.stderr.strip()[-500:] or "no patch reported"),
     }
     if args.json:
@@ -63,7 +74,7 @@ def run(args: argparse.Namespace) -> int:
         shown = report["SAFEIO_PATCH"]
         print(f"SAFEIO_PATCH here: {shown!r}" if shown is not None else "SAFEIO_PATCH here: unset (off)")
         if works:
-            print(f"a new process with SAFEIO_PATCH=1 is patched: yes (pid {pid})")
+            print(f"a new process with SAFEIO_PATCH={value} is patched: yes (pid {pid}): {parts}")
         else:
-            print(f"a new process with SAFEIO_PATCH=1 is patched: NO ({report['probe_error']})")
+            print(f"a new process with SAFEIO_PATCH={value} is patched: NO ({report['probe_error']})")
     return EXIT_OK if works else EXIT_PROBLEMS

@@ -16,9 +16,11 @@ change them, so this is a mixin:
 writing (so its file set follows the installed transformers), with its output directory redirected to
 the shared stage through a private view (``<tmp>/checkpoint-N``, a link to the stage); rotation is
 ``Checkpoints``' retention (``save_total_limit`` newest committed, the best model's checkpoint kept,
-after the commit, by the writer). A patch of the private method was the alternative; a mixin is explicit
-in the user's code and touches no class but theirs. It relies on ``_save_checkpoint(model, trial)`` and
-``_get_output_dir(trial)``, checked when the trainer is built.
+after the commit, by the writer). The mixin is explicit in the user's code and touches no class but
+theirs; for code the user cannot edit, ``patch_trainer()`` (installed by ``SAFEIO_PATCH``) does the same
+to ``Trainer`` itself, every subclass included, through the same functions (a mixin instance is left to
+its mixin: nothing is staged twice). Both rely on ``_save_checkpoint(model, trial)`` and
+``_get_output_dir(trial)``, checked when the trainer is built or the patch installed.
 """
 
 from __future__ import annotations
@@ -28,8 +30,10 @@ import functools
 import inspect
 import os
 import shutil
+import sys
 import tempfile
-from collections.abc import Iterator
+import threading
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from safeio._checkpoints.checkpoints import Checkpoints
@@ -37,7 +41,12 @@ from safeio._coordination.group import Group
 from safeio._errors import InvalidTargetError, UnsupportedSaveError
 from safeio._promotion import active
 
-__all__ = ["CheckpointsTrainerMixin", "get_last_checkpoint"]  # and SafeTrainer, built on first use
+__all__ = [  # and SafeTrainer, built on first use
+    "CheckpointsTrainerMixin",
+    "TrainerPatch",
+    "get_last_checkpoint",
+    "patch_trainer",
+]
 
 PREFIX = "checkpoint-{step}"
 
@@ -70,13 +79,64 @@ def _check_trainer(cls: type) -> None:
         )
 
 
+def _checkpoints_of(trainer: Any, run_dir: str | None = None) -> Checkpoints:
+    """The ``Checkpoints`` of a trainer's run directory (default: ``args.output_dir``); retention keeps
+    the newest ``save_total_limit`` committed checkpoints."""
+    return Checkpoints(
+        run_dir if run_dir is not None else trainer.args.output_dir,
+        # transformers keeps every checkpoint for a limit of None or 0 or less
+        keep=limit if (limit := trainer.args.save_total_limit) and limit > 0 else None,
+        name=PREFIX,
+        timeout=getattr(trainer, "safeio_timeout", None),
+    )
+
+
+def _resume_path(trainer: Any) -> str:
+    """``train(resume_from_checkpoint=True)``: the most recent committed checkpoint, the same on every
+    rank (collective)."""
+    found = _checkpoints_of(trainer).latest()
+    if found is None:
+        # transformers raises ValueError here; InvalidTargetError is one, and a SafeIOError
+        raise InvalidTargetError(
+            f"No committed checkpoint found in output directory ({trainer.args.output_dir})",
+            trainer.args.output_dir,
+        )
+    return found.path
+
+
+def _save_committed(trainer: Any, model: Any, trial: Any, save: Callable[[Any, Any], None]) -> None:
+    """``save`` (the Trainer's own ``_save_checkpoint``, bound) inside ``Checkpoints.save``, its output
+    directory redirected to the stage; rotation is the commit's retention."""
+    run_dir = trainer._get_output_dir(trial=trial)
+    ckpts = _checkpoints_of(trainer, run_dir)
+    step = trainer.state.global_step
+    folder = PREFIX.format(step=step)
+    best = trainer.state.best_model_checkpoint
+    with ckpts.save(step, protect=[best] if best else []) as ckpt, _viewed_as(ckpt.path, folder) as view:
+        # An instance attribute for the duration: the Trainer's method builds its directory from it.
+        trainer._get_output_dir = lambda trial=None: view
+        try:
+            save(model, trial)
+        finally:
+            del trainer._get_output_dir
+        _point_best_at(trainer, run_dir, view, ckpt.path)
+
+
+def _point_best_at(trainer: Any, run_dir: str, view: str, stage: str) -> None:
+    """The Trainer found the best checkpoint in the view (when it is the one being saved): point it,
+    and the trainer state saved in the stage, at the run directory."""
+    current = trainer.state.best_model_checkpoint
+    if current and current.startswith(view + os.sep):
+        trainer.state.best_model_checkpoint = os.path.join(run_dir, os.path.relpath(current, view))
+        if trainer.args.should_save and os.path.exists(os.path.join(stage, "trainer_state.json")):
+            trainer.state.save_to_json(os.path.join(stage, "trainer_state.json"))
+
+
 class CheckpointsTrainerMixin:
     """Put before ``Trainer`` (or any subclass) in the bases. ``safeio_timeout`` bounds every wait of a
     checkpoint (default: safeio's timeout, ``SAFEIO_TIMEOUT``)."""
 
     args: Any
-    state: Any
-    _get_output_dir: Any
 
     def __init__(self, *args: Any, safeio_timeout: float | None = None, **kwargs: Any) -> None:
         _check_trainer(type(self))
@@ -86,49 +146,15 @@ class CheckpointsTrainerMixin:
     def safeio_checkpoints(self, run_dir: str | None = None) -> Checkpoints:
         """The ``Checkpoints`` of a run directory (default: ``args.output_dir``); retention keeps the
         newest ``save_total_limit`` committed checkpoints."""
-        return Checkpoints(
-            run_dir if run_dir is not None else self.args.output_dir,
-            # transformers keeps every checkpoint for a limit of None or 0 or less
-            keep=limit if (limit := self.args.save_total_limit) and limit > 0 else None,
-            name=PREFIX,
-            timeout=self.safeio_timeout,
-        )
+        return _checkpoints_of(self, run_dir)
 
     def train(self, resume_from_checkpoint: str | bool | None = None, *args: Any, **kwargs: Any) -> Any:
         if resume_from_checkpoint is True:
-            found = self.safeio_checkpoints().latest()  # collective: every rank gets the same answer
-            if found is None:
-                # transformers raises ValueError here; InvalidTargetError is one, and a SafeIOError
-                raise InvalidTargetError(
-                    f"No committed checkpoint found in output directory ({self.args.output_dir})",
-                    self.args.output_dir,
-                )
-            resume_from_checkpoint = found.path
+            resume_from_checkpoint = _resume_path(self)  # collective: every rank gets the same answer
         return super().train(resume_from_checkpoint, *args, **kwargs)  # type: ignore[misc]
 
     def _save_checkpoint(self, model: Any, trial: Any) -> None:
-        run_dir = self._get_output_dir(trial=trial)
-        ckpts = self.safeio_checkpoints(run_dir)
-        step = self.state.global_step
-        folder = PREFIX.format(step=step)
-        best = self.state.best_model_checkpoint
-        with ckpts.save(step, protect=[best] if best else []) as ckpt, _viewed_as(ckpt.path, folder) as view:
-            # An instance attribute for the duration: the Trainer's method builds its directory from it.
-            self._get_output_dir = lambda trial=None: view
-            try:
-                super()._save_checkpoint(model, trial)  # type: ignore[misc]
-            finally:
-                del self._get_output_dir
-            self._point_best_at(run_dir, view, ckpt.path)
-
-    def _point_best_at(self, run_dir: str, view: str, stage: str) -> None:
-        """The Trainer found the best checkpoint in the view (when it is the one being saved): point it,
-        and the trainer state saved in the stage, at the run directory."""
-        current = self.state.best_model_checkpoint
-        if current and current.startswith(view + os.sep):
-            self.state.best_model_checkpoint = os.path.join(run_dir, os.path.relpath(current, view))
-            if self.args.should_save and os.path.exists(os.path.join(stage, "trainer_state.json")):
-                self.state.save_to_json(os.path.join(stage, "trainer_state.json"))
+        _save_committed(self, model, trial, super()._save_checkpoint)  # type: ignore[misc]
 
 
 @contextlib.contextmanager
@@ -146,6 +172,119 @@ def _viewed_as(stage: str, folder: str) -> Iterator[str]:
     finally:
         active.pop(entry)
         shutil.rmtree(view, ignore_errors=True)
+
+
+# -- patch_trainer: the same, for every Trainer of the process (SAFEIO_PATCH) --------------------------
+
+_MISSING = object()
+_patch_lock = threading.RLock()
+_installed: list[TrainerPatch] = []
+# What the patch replaced, to put back: (owner, attribute, its own value before or _MISSING, ours).
+_replaced: list[tuple[Any, str, Any, Any]] = []
+
+
+class TrainerPatch:
+    """Every ``transformers.Trainer`` (and subclass) of the process saves its ``checkpoint-N`` through
+    ``safeio.Checkpoints`` and resumes (``train(resume_from_checkpoint=True)``) from the newest committed
+    one, like ``CheckpointsTrainerMixin``; ``get_last_checkpoint`` of ``transformers.trainer_utils`` (and
+    wherever it was imported by name) is safeio's. ``install()``/``uninstall()`` or a context manager;
+    installs are counted, the last uninstall restores exactly what was there."""
+
+    def __init__(self) -> None:
+        self.installed = False
+
+    def install(self, *, load: bool = True) -> TrainerPatch:
+        """``load=False``: patch only the transformers modules imported so far (the start-up hook calls
+        ``refresh()`` as the others are imported, without importing the Trainer for a program that
+        never uses it)."""
+        if load:
+            import transformers.trainer  # noqa: F401 - the module to patch
+        with _patch_lock:
+            if not self.installed:
+                _installed.append(self)
+                self.installed = True
+            _sync()
+        return self
+
+    def uninstall(self) -> None:
+        with _patch_lock:
+            if self.installed:
+                _installed.remove(self)
+                self.installed = False
+                _sync()
+
+    @staticmethod
+    def refresh() -> None:
+        """Patch the transformers modules imported since the install (a no-op when none is installed)."""
+        with _patch_lock:
+            _sync()
+
+    def __enter__(self) -> TrainerPatch:
+        return self.install()
+
+    def __exit__(self, *exc: object) -> None:
+        self.uninstall()
+
+
+def patch_trainer() -> TrainerPatch:
+    """The patch ``SAFEIO_PATCH`` installs for the HF Trainer (see ``TrainerPatch``)."""
+    return TrainerPatch()
+
+
+def _sync() -> None:
+    if not _installed:
+        while _replaced:
+            owner, name, before, ours = _replaced.pop()
+            if vars(owner).get(name) is ours:  # never undo what someone patched over ours
+                if before is _MISSING:
+                    delattr(owner, name)
+                else:
+                    setattr(owner, name, before)
+        return
+    done = {(id(owner), name) for owner, name, _, _ in _replaced}
+    trainer_module = sys.modules.get("transformers.trainer")
+    trainer = vars(trainer_module).get("Trainer") if trainer_module is not None else None
+    if isinstance(trainer, type) and (id(trainer), "_save_checkpoint") not in done:
+        _check_trainer(trainer)
+        _replace(trainer, "_save_checkpoint", _patched_save_checkpoint(vars(trainer)["_save_checkpoint"]))
+        _replace(trainer, "train", _patched_train(vars(trainer)["train"]))
+    utils = sys.modules.get("transformers.trainer_utils")
+    theirs = vars(utils).get("get_last_checkpoint") if utils is not None else None
+    if theirs is not None and theirs is not get_last_checkpoint:
+        # Every module that imported it by name (transformers.trainer, a script's namespace).
+        for module in list(sys.modules.values()):
+            namespace = getattr(module, "__dict__", None)
+            if isinstance(namespace, dict) and namespace.get("get_last_checkpoint") is theirs:
+                _replace(module, "get_last_checkpoint", get_last_checkpoint)
+
+
+def _replace(owner: Any, name: str, ours: Any) -> None:
+    _replaced.append((owner, name, vars(owner).get(name, _MISSING), ours))
+    setattr(owner, name, ours)
+
+
+def _patched_save_checkpoint(original: Any) -> Any:
+    @functools.wraps(original)
+    def _save_checkpoint(self: Any, model: Any, trial: Any) -> None:
+        if not _installed or isinstance(self, CheckpointsTrainerMixin):
+            original(self, model, trial)  # the mixin already stages this save: once only
+        else:
+            _save_committed(self, model, trial, functools.partial(original, self))
+
+    return _save_checkpoint
+
+
+def _patched_train(original: Any) -> Any:
+    @functools.wraps(original)
+    def train(self: Any, *args: Any, **kwargs: Any) -> Any:
+        if _installed and not isinstance(self, CheckpointsTrainerMixin):
+            if args and args[0] is True:
+                args = (_resume_path(self), *args[1:])
+            elif kwargs.get("resume_from_checkpoint") is True:
+                kwargs["resume_from_checkpoint"] = _resume_path(self)
+        return original(self, *args, **kwargs)
+
+    return train
 
 
 @functools.cache

@@ -5,6 +5,7 @@ rotation after the commit, resume only from a committed checkpoint, a rank kille
 from __future__ import annotations
 
 import os
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -15,12 +16,32 @@ from safeio.testing.ranks import run_ranks
 from tests.test_checkpoints import _every_rank_past_dcp
 
 
-def _run(rank: int, world: int, output_dir: str, max_steps: int, resume: bool, die_at: int | None) -> Any:
+def _run(
+    rank: int,
+    world: int,
+    output_dir: str,
+    max_steps: int,
+    resume: bool,
+    die_at: int | None,
+    plain: bool = False,
+) -> Any:
+    import logging
+
     from transformers import Trainer, TrainerCallback, TrainingArguments
 
     from safeio.integrations.transformers import CheckpointsTrainerMixin
 
-    class MyTrainer(CheckpointsTrainerMixin, Trainer):
+    warnings: list[str] = []
+
+    class Collect(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            warnings.append(record.getMessage())
+
+    logging.getLogger("safeio").addHandler(Collect(logging.WARNING))
+
+    bases = (Trainer,) if plain else (CheckpointsTrainerMixin, Trainer)
+
+    class MyTrainer(*bases):  # type: ignore[misc]
         def _save_rng_state(self, output_dir: str) -> None:
             super()._save_rng_state(output_dir)
             if die_at is not None and rank == 1 and self.state.global_step == die_at:
@@ -42,13 +63,14 @@ def _run(rank: int, world: int, output_dir: str, max_steps: int, resume: bool, d
         report_to=[],
         ddp_backend="gloo",
     )
+    safeio_options = {} if plain else {"safeio_timeout": 2.5 if die_at is not None else 30}
     trainer = MyTrainer(
         model=hf_objects.tiny_model(),
         args=args,
         train_dataset=hf_objects.tiny_lm_dataset(64),
         processing_class=hf_objects.fast_tokenizer(),
         callbacks=[Started()],
-        safeio_timeout=2.5 if die_at is not None else 30,
+        **safeio_options,
     )
     error = None
     try:
@@ -56,7 +78,7 @@ def _run(rank: int, world: int, output_dir: str, max_steps: int, resume: bool, d
     except safeio.CheckpointError as exc:
         error = str(exc)
     _every_rank_past_dcp(rank, world, "end", dead=(1,) if die_at is not None else ())
-    return {"started_at": Started.at, "step": trainer.state.global_step, "error": error}
+    return {"started_at": Started.at, "step": trainer.state.global_step, "error": error, "warnings": warnings}
 
 
 def _checkpoints(output_dir: str) -> list[str]:
@@ -84,8 +106,6 @@ def test_trainer_checkpoints_are_committed_rotated_and_resumed(nfslike_mount: Mo
     os.mkdir(Path(output, "checkpoint-4"))
     Path(output, "checkpoint-4", "model.safetensors").write_bytes(b"torn")
     assert get_last_checkpoint(output) == str(newest)
-    import shutil
-
     shutil.rmtree(Path(output, "checkpoint-4"))  # safeio never overwrites what it did not write
     results = run_ranks(_run, 2, output, 5, True, None, timeout=300)
     assert [(r.value["started_at"], r.value["step"]) for r in results] == [(3, 5), (3, 5)]
@@ -151,3 +171,39 @@ def test_patch_trainer_installs_and_uninstalls_in_process() -> None:
         assert calls == ["own"]
     after = (vars(Trainer)["_save_checkpoint"], vars(Trainer)["train"], trainer_utils.get_last_checkpoint)
     assert after == before and trainer_module.get_last_checkpoint is before[2]
+
+
+def test_checkpoints_written_without_safeio_are_never_silently_ignored(
+    nfslike_mount: Mount, caplog: Any
+) -> None:
+    from safeio.integrations.transformers import get_last_checkpoint
+
+    output = str(nfslike_mount.path / "run")
+    # The plain Trainer (no safeio) saved checkpoint-2 and checkpoint-3 (save_total_limit=2).
+    run_ranks(_run, 2, output, 3, False, None, True, timeout=300)
+    assert _checkpoints(output) == ["checkpoint-2", "checkpoint-3"]
+    # Restarted with the mixin: it resumes from the plain Trainer's last checkpoint, saying so.
+    results = run_ranks(_run, 2, output, 4, True, None, timeout=300)
+    assert [(r.value["started_at"], r.value["step"]) for r in results] == [(3, 4), (3, 4)]
+    plain = os.path.join(output, "checkpoint-3")
+    assert [w for w in results[0].value["warnings"] if plain in w and "safeio did not commit" in w], results
+    assert safeio.verify(Path(output, "checkpoint-4")) == []  # its own next one is committed
+    # A committed checkpoint wins over a plain one at a lower (or equal) step, without a word.
+    caplog.set_level("WARNING", logger="safeio")
+    assert get_last_checkpoint(output) == os.path.join(output, "checkpoint-4")
+    assert not caplog.records
+    # A plain checkpoint torn before the Trainer's marker (trainer_state.json) is skipped, named.
+    torn = Path(output, "checkpoint-5")
+    shutil.copytree(Path(output, "checkpoint-3"), torn)
+    (torn / "trainer_state.json").unlink()
+    assert get_last_checkpoint(output) == os.path.join(output, "checkpoint-4")
+    assert [
+        r.getMessage()
+        for r in caplog.records
+        if str(torn) in r.getMessage() and "incomplete" in r.getMessage()
+    ]
+    # A complete plain one above every commit is the answer, with its warning.
+    caplog.clear()
+    shutil.copytree(Path(output, "checkpoint-3"), Path(output, "checkpoint-6"))
+    assert get_last_checkpoint(output) == os.path.join(output, "checkpoint-6")
+    assert "checkpoint-6, which safeio did not commit" in caplog.text

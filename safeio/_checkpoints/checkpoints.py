@@ -50,10 +50,12 @@ logger = logging.getLogger("safeio")
 
 @dataclass(frozen=True)
 class Checkpoint:
-    """A committed checkpoint: its step and the directory (or object-store prefix) to load it from."""
+    """A committed checkpoint: its step and the directory (or object-store prefix) to load it from.
+    ``committed`` is False only for one written without safeio that ``latest(unmarked=...)`` chose."""
 
     step: int
     path: str
+    committed: bool = True
 
 
 class CheckpointStage:
@@ -142,10 +144,17 @@ class Checkpoints:
         """Where the step directory ``name`` is (a path, or a URL on object stores)."""
         return self._steps.url(name)
 
-    def latest(self) -> Checkpoint | None:
+    def latest(self, *, unmarked: Callable[[str], bool] | None = None) -> Checkpoint | None:
         """The most recent commit (not the highest step number: after a rollback to step 10 and a save of
         15, it is 15), the same on every rank, visible from each when it returns; None when there is
-        none. Only steps this user committed count."""
+        none. Only steps this user committed count.
+
+        ``unmarked``: step directories written without safeio (no marker: a framework's own, from before
+        safeio) are not ignored. ``unmarked(path)`` says whether one is complete by the framework's own
+        marker; the complete one with the highest step wins when that step is above the latest commit's
+        (a commit wins at an equal or higher step), returned with ``committed=False`` and a WARNING;
+        each incomplete one above the answer is skipped with a WARNING naming it (logged by the rank
+        that resolves, the writer)."""
         self.wait()
 
         def here() -> list[tuple[int, str]]:
@@ -153,10 +162,38 @@ class Checkpoints:
             return [(found.step, found.name)] if found is not None else []
 
         committed = self._agree("latest()", here)
-        if not committed:
-            return None
-        step, entry = committed[0]
-        return Checkpoint(step, self._steps.url(entry))
+        newest = Checkpoint(committed[0][0], self._steps.url(committed[0][1])) if committed else None
+        if unmarked is None:
+            return newest
+        above = newest.step if newest is not None else -1
+        plain = self._agree(
+            "latest() of unmarked steps",
+            lambda: self._newest_unmarked(above, unmarked),
+            visible=lambda name: self._steps.reader(name).exists(),
+        )
+        return Checkpoint(plain[0][0], self._steps.url(plain[0][1]), committed=False) if plain else newest
+
+    def _newest_unmarked(self, above: int, complete: Callable[[str], bool]) -> list[tuple[int, str]]:
+        for step, name in reversed(self._steps.unmarked()):
+            if step <= above:
+                break
+            path = self._steps.url(name)
+            if complete(path):
+                logger.warning(
+                    "%s: resuming from %s, which safeio did not commit (written without safeio; complete by "
+                    "its framework's own marker)",
+                    who(self.group().rank),
+                    path,
+                )
+                return [(step, name)]
+            logger.warning(
+                "%s: skipping %s: written without safeio and incomplete by its framework's own marker; "
+                "move it away (safeio never deletes what it did not write, so a save of step %d there fails)",
+                who(self.group().rank),
+                path,
+                step,
+            )
+        return []
 
     def at(self, step: int) -> Checkpoint:
         """Committed step ``step``, to resume from on purpose (a rollback), agreed by every rank like
@@ -184,8 +221,15 @@ class Checkpoints:
         self.wait()
         return [step for step, _ in self._agree("steps()", self.committed)]
 
-    def _agree(self, what: str, resolve_here: Callable[[], list[tuple[int, str]]]) -> list[tuple[int, str]]:
-        """The writer resolves, every rank gets its answer (or its error), visible from each."""
+    def _agree(
+        self,
+        what: str,
+        resolve_here: Callable[[], list[tuple[int, str]]],
+        *,
+        visible: Callable[[str], bool] | None = None,
+    ) -> list[tuple[int, str]]:
+        """The writer resolves, every rank gets its answer (or its error), visible from each (by
+        ``visible``; default: committed)."""
         group = self.group()
         call = CheckpointCall(group, self.root, what)
         deadline = time.monotonic() + self.options.timeout
@@ -212,15 +256,25 @@ class Checkpoints:
         else:
             found = [(int(s), str(n)) for s, n in resolve_here()]
         for _, entry in found:
-            self._wait_visible(entry, deadline, group.rank, what, stage=False)
+            self._wait_visible(entry, deadline, group.rank, what, stage=False, visible=visible)
         return found
 
-    def _wait_visible(self, name: str, deadline: float, rank: int, what: str, *, stage: bool) -> None:
+    def _wait_visible(
+        self,
+        name: str,
+        deadline: float,
+        rank: int,
+        what: str,
+        *,
+        stage: bool,
+        visible: Callable[[str], bool] | None = None,
+    ) -> None:
         """Return once step (or stage) ``name`` is visible from this rank; bounded. NFS clients cache
         directory entries and attributes: a rank on another client may not see it for a while after
         the writer made it."""
         path = self._steps.url(name)
-        visible = self._steps.stage_visible if stage else self._steps.step_visible
+        if visible is None:
+            visible = self._steps.stage_visible if stage else self._steps.step_visible
         poll_until(
             lambda: visible(name),
             deadline,

@@ -188,6 +188,16 @@ class StepStorage(ABC):
             self._known[name] = (identity, found)
         return found
 
+    def unmarked(self) -> list[tuple[int, str]]:
+        """(step, name) of every entry named like a step that has no safeio marker at all, anyone's:
+        written without safeio (a framework's own checkpoints from before). By step number."""
+        return sorted(
+            (step, name)
+            for name in self.entry_names()
+            if (step := self.names.parse(name)) is not None
+            and self.reader(name).committed_marker(check_files=False) is None
+        )
+
     def step_visible(self, name: str) -> bool:
         """Whether this process sees step ``name`` committed."""
         return self.committed_step(name) is not None

@@ -40,6 +40,8 @@ from safeio._checkpoints.checkpoints import Checkpoints
 from safeio._coordination.group import Group
 from safeio._errors import InvalidTargetError, UnsupportedSaveError
 from safeio._promotion import active
+from safeio._storage.dirfd import held_directory
+from safeio._storage.metadata import read_json
 
 __all__ = [  # and SafeTrainer, built on first use
     "CheckpointsTrainerMixin",
@@ -54,12 +56,46 @@ PREFIX = "checkpoint-{step}"
 def get_last_checkpoint(folder: str | os.PathLike[str]) -> str | None:
     """``transformers.trainer_utils.get_last_checkpoint`` that returns only a committed checkpoint (its
     marker present, every listed file at its size), the most recent commit (after a rollback, not the
-    highest number): a half-written ``checkpoint-N`` is never resumed.
+    highest number): a half-written ``checkpoint-N`` is never resumed. A ``checkpoint-N`` the Trainer
+    wrote without safeio is not ignored: a complete one (``_complete_by_trainer``) with a higher step
+    than the latest commit is returned, with a WARNING; incomplete ones above it are skipped, each with
+    a WARNING naming it.
     Each process reads the directory itself; inside a job prefer ``train(resume_from_checkpoint=True)``
     with the mixin, where every rank gets the writer's answer."""
     # A group of this process alone: latest() is then this process's own reading of the root.
-    found = Checkpoints(folder, keep=None, name=PREFIX, group=Group()).latest()
+    ckpts = Checkpoints(folder, keep=None, name=PREFIX, group=Group())
+    found = ckpts.latest(unmarked=_complete_by_trainer)
     return os.path.join(os.fspath(folder), os.path.basename(found.path)) if found is not None else None
+
+
+TRAINER_STATE = "trainer_state.json"  # written last into checkpoint-N, by the process that saves
+_STATE_CAP = 256 << 20  # a long run's log_history makes it tens of MB
+# The model's weights in a checkpoint-N: whole or sharded, safetensors or pickle, a PEFT adapter; FSDP's
+# and DeepSpeed's are directories (pytorch_model_fsdp_0, global_step<N>).
+_WEIGHTS = (
+    "model.safetensors",
+    "model.safetensors.index.json",
+    "pytorch_model.bin",
+    "pytorch_model.bin.index.json",
+    "adapter_model.safetensors",
+    "adapter_model.bin",
+)
+_WEIGHT_DIRS = ("pytorch_model_fsdp", "global_step")
+
+
+def _complete_by_trainer(path: str) -> bool:
+    """Whether a ``checkpoint-N`` written without safeio is one the Trainer finished: its own marker,
+    ``trainer_state.json`` (written after the model, optimizer and RNG states), is there and parses,
+    and so are the model's weights. Read as untrusted input (the share is; ``metadata.read_json``)."""
+    try:
+        with held_directory(path) as fd:
+            state = read_json(fd, TRAINER_STATE, _STATE_CAP)
+            names = os.listdir(fd)
+    except OSError:
+        return False
+    if not (isinstance(state, dict) and isinstance(state.get("global_step"), int)):
+        return False
+    return any(n in _WEIGHTS or n.startswith(_WEIGHT_DIRS) for n in names)
 
 
 def _check_trainer(cls: type) -> None:
@@ -92,13 +128,13 @@ def _checkpoints_of(trainer: Any, run_dir: str | None = None) -> Checkpoints:
 
 
 def _resume_path(trainer: Any) -> str:
-    """``train(resume_from_checkpoint=True)``: the most recent committed checkpoint, the same on every
-    rank (collective)."""
-    found = _checkpoints_of(trainer).latest()
+    """``train(resume_from_checkpoint=True)``: the most recent committed checkpoint (or a newer complete
+    one written without safeio, with a WARNING), the same on every rank (collective)."""
+    found = _checkpoints_of(trainer).latest(unmarked=_complete_by_trainer)
     if found is None:
         # transformers raises ValueError here; InvalidTargetError is one, and a SafeIOError
         raise InvalidTargetError(
-            f"No committed checkpoint found in output directory ({trainer.args.output_dir})",
+            f"No committed (or complete) checkpoint found in output directory ({trainer.args.output_dir})",
             trainer.args.output_dir,
         )
     return found.path

@@ -103,14 +103,16 @@ def _check_trainer(cls: type) -> None:
     if save is None or not hasattr(cls, "_get_output_dir"):
         raise UnsupportedSaveError(
             f"{cls.__name__}: this transformers Trainer has no _save_checkpoint/_get_output_dir; "
-            "safeio's CheckpointsTrainerMixin supports transformers 4.45 to 5.x",
+            "safeio's CheckpointsTrainerMixin (and SAFEIO_PATCH's trainer part) supports transformers 4.45 "
+            "to 5.x",
             None,
         )
     params = list(inspect.signature(save).parameters)
     if params[:3] != ["self", "model", "trial"]:
         raise UnsupportedSaveError(
             f"{cls.__name__}._save_checkpoint{inspect.signature(save)} is not the (model, trial) method "
-            "safeio's CheckpointsTrainerMixin wraps; this transformers version is not supported",
+            "safeio's CheckpointsTrainerMixin (and SAFEIO_PATCH's trainer part) wraps; this transformers "
+            "version is not supported",
             None,
         )
 
@@ -164,8 +166,8 @@ def _point_best_at(trainer: Any, run_dir: str, view: str, stage: str) -> None:
     current = trainer.state.best_model_checkpoint
     if current and current.startswith(view + os.sep):
         trainer.state.best_model_checkpoint = os.path.join(run_dir, os.path.relpath(current, view))
-        if trainer.args.should_save and os.path.exists(os.path.join(stage, "trainer_state.json")):
-            trainer.state.save_to_json(os.path.join(stage, "trainer_state.json"))
+        if trainer.args.should_save and os.path.exists(os.path.join(stage, TRAINER_STATE)):
+            trainer.state.save_to_json(os.path.join(stage, TRAINER_STATE))
 
 
 class CheckpointsTrainerMixin:

@@ -207,3 +207,21 @@ def test_checkpoints_written_without_safeio_are_never_silently_ignored(
     shutil.copytree(Path(output, "checkpoint-3"), Path(output, "checkpoint-6"))
     assert get_last_checkpoint(output) == os.path.join(output, "checkpoint-6")
     assert "checkpoint-6, which safeio did not commit" in caplog.text
+
+
+def test_patch_trainer_refuses_an_unsupported_trainer_and_leaves_nothing(monkeypatch: Any) -> None:
+    import pytest
+    from transformers import Trainer, trainer_utils
+
+    from safeio.integrations.transformers import patch_trainer
+
+    def _save_checkpoint(self: Any, trainer_model: Any, trial: Any) -> None:
+        raise AssertionError("never reached")
+
+    monkeypatch.setattr(Trainer, "_save_checkpoint", _save_checkpoint)
+    lookup = trainer_utils.get_last_checkpoint
+    with pytest.raises(safeio.UnsupportedSaveError, match="not the \\(model, trial\\) method"):
+        patch_trainer().install()
+    assert (
+        vars(Trainer)["_save_checkpoint"] is _save_checkpoint and trainer_utils.get_last_checkpoint is lookup
+    )

@@ -241,7 +241,11 @@ class TrainerPatch:
             if not self.installed:
                 _installed.append(self)
                 self.installed = True
-            _sync()
+            try:
+                _sync()
+            except BaseException:  # an unsupported Trainer: nothing of this install stays
+                self.uninstall()
+                raise
         return self
 
     def uninstall(self) -> None:

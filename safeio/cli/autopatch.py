@@ -15,11 +15,11 @@ import subprocess
 import sys
 from typing import Any
 
+from safeio._autopatch import startup
 from safeio.cli._common import EXIT_OK, EXIT_PROBLEMS, print_json
 
 PTH = "safeio-autopatch.pth"
 _PROBE = "import os, transformers, transformers.trainer; print(os.environ.get('SAFEIO_PATCH_ACTIVE', ''))"
-_OFF = ("", "0")  # what the start-up hook's one line takes for unset
 
 
 def add_parser(commands: Any, epilog: str) -> None:
@@ -34,7 +34,7 @@ def add_parser(commands: Any, epilog: str) -> None:
         "save_pretrained too), save_pretrained, trainer, -PART to leave one out (models,-trainer), 0 off; "
         "an unknown word is reported on stderr. This command checks that the "
         f"start-up hook ({PTH}) is installed and shows the parts a fresh interpreter gets with this "
-        "SAFEIO_PATCH (1 when unset). Exit 0 when it works, 1 when it does not.",
+        "SAFEIO_PATCH (1 when unset or off). Exit 0 when it works, 1 when it does not.",
         epilog=epilog,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
@@ -51,7 +51,8 @@ def hook_files() -> list[str]:
 def run(args: argparse.Namespace) -> int:
     hooks = hook_files()
     here = os.environ.get("SAFEIO_PATCH")
-    value = "1" if here is None or here.strip() in _OFF else here
+    # Off (or unset) here: show what 1 does; otherwise this value, an unknown word reported as the NO.
+    value = here if here is not None and startup.parts(here) != ([], []) else "1"
     env = {**os.environ, "SAFEIO_PATCH": value}
     probe = subprocess.run(
         [sys.executable, "-c", _PROBE], capture_output=True, text=True, env=env, timeout=300

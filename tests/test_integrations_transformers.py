@@ -207,6 +207,12 @@ def test_checkpoints_written_without_safeio_are_never_silently_ignored(
     shutil.copytree(Path(output, "checkpoint-3"), Path(output, "checkpoint-6"))
     assert get_last_checkpoint(output) == os.path.join(output, "checkpoint-6")
     assert "checkpoint-6, which safeio did not commit" in caplog.text
+    # Another user's plain checkpoint, however complete and high, is never resumed from.
+    foreign = Path(output, "checkpoint-7")
+    shutil.copytree(Path(output, "checkpoint-3"), foreign)
+    for path in [foreign, *foreign.rglob("*")]:
+        os.lchown(path, 4242, 4242)
+    assert get_last_checkpoint(output) == os.path.join(output, "checkpoint-6")
 
 
 def test_patch_trainer_refuses_an_unsupported_trainer_and_leaves_nothing(monkeypatch: Any) -> None:

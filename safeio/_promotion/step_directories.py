@@ -132,6 +132,12 @@ class LocalSteps(StepStorage):
             return None
         return (st.st_dev, st.st_ino, st.st_uid) if stat.S_ISDIR(st.st_mode) else None
 
+    def entry_owner(self, name: str) -> int | None:
+        try:
+            return os.lstat(self.url(name)).st_uid
+        except OSError:
+            return None
+
     def read_sequence(self) -> int | None:
         return _parse_sequence(read_pointer(self.url(SEQUENCE)))
 

@@ -188,13 +188,19 @@ class StepStorage(ABC):
             self._known[name] = (identity, found)
         return found
 
+    def entry_owner(self, name: str) -> int | None:
+        """The uid owning what stands at ``name`` (None: this kind of place cannot tell)."""
+        return None
+
     def unmarked(self) -> list[tuple[int, str]]:
-        """(step, name) of every entry named like a step that has no safeio marker at all, anyone's:
-        written without safeio (a framework's own checkpoints from before). By step number."""
+        """(step, name) of every entry named like a step that has no safeio marker at all and belongs to
+        this user (where owners can be told): written without safeio (a framework's own checkpoints from
+        before). Another user's are never resumed from, as with committed steps. By step number."""
         return sorted(
             (step, name)
             for name in self.entry_names()
             if (step := self.names.parse(name)) is not None
+            and self.entry_owner(name) in (None, os.geteuid())
             and self.reader(name).committed_marker(check_files=False) is None
         )
 

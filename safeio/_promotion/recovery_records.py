@@ -7,7 +7,7 @@ import os
 import stat
 from dataclasses import dataclass
 
-from safeio._storage.dirfd import lstat_at, open_directory, walk
+from safeio._storage.dirfd import lstat_at, open_directory, skip_unreadable, walk
 from safeio._storage.names import Sibling
 
 
@@ -59,7 +59,7 @@ def tree_size(dir_fd: int, name: str) -> int:
         try:
             total = sum(
                 s.st_size
-                for listing in walk(fd, max_relative=None)  # a leftover of any depth, sized
+                for listing in walk(fd, max_relative=None, onerror=skip_unreadable)  # any depth
                 for _name, s in listing.entries
                 if stat.S_ISREG(s.st_mode)
             )

@@ -141,10 +141,10 @@ def walk(
 
     An explicit stack, not recursion (``os.fwalk`` and ``shutil.rmtree`` recurse once per level: a tree
     deeper than the recursion limit, about 1,000, made them raise RecursionError), holding at most HELD
-    descriptors. A subdirectory removed or swapped for a link meanwhile is skipped. One whose relative
-    path would be longer than ``max_relative`` (None: no bound, the path is then not tracked), or that
-    cannot be opened or listed, raises OSError whose filename is its relative path, or goes to
-    ``onerror`` and is skipped.
+    descriptors. A subdirectory removed or swapped for a link meanwhile is skipped. One that cannot be
+    opened or listed raises OSError whose filename is its relative path (None ``max_relative``: the path
+    is not tracked, only its name), or goes to ``onerror`` and is skipped; so does one whose relative path
+    would be longer than ``max_relative`` (ENAMETOOLONG, "too deep", named by the top's entry holding it).
     """
     top = os.dup(dir_fd)
     stack: list[_Level] = []
@@ -192,8 +192,10 @@ def _open_child(
     except OSError as exc:
         if exc.errno in _GONE:
             return None
-        # Named by the entry of the walked directory that holds it: a path past PATH_MAX is unreadable.
-        error = OSError(exc.errno, exc.strerror, rel.split("/", 1)[0] if rel else name)
+        # Too deep: named by the entry of the walked directory that holds it (a path past PATH_MAX is
+        # unreadable in a report).
+        too_deep = exc.errno == errno.ENAMETOOLONG
+        error = OSError(exc.errno, exc.strerror, rel.split("/", 1)[0] if too_deep else rel or name)
         if onerror is None:
             raise error from exc
         onerror(error)
@@ -240,17 +242,24 @@ def _reopen_parent(parent: _Level, child: Listing) -> None:
     parent.listing.fd = fd
 
 
+def skip_unreadable(error: OSError) -> None:
+    """``os.fwalk``'s way: a subdirectory that cannot be opened or listed is passed over. Not one too deep
+    to name: that is raised, never a silent omission (a manifest without the files below it)."""
+    if error.errno == errno.ENAMETOOLONG:
+        raise error
+
+
 def walk_files(dir_fd: int) -> Iterator[tuple[str, int, str, os.stat_result]]:
     """Every entry below ``dir_fd`` that is not a directory: (relative dir, its fd, name, lstat), links
     included, as links."""
-    for listing in walk(dir_fd):
+    for listing in walk(dir_fd, onerror=skip_unreadable):
         for name, st in listing.entries:
             yield listing.rel, listing.fd, name, st
 
 
 def walk_directories(dir_fd: int) -> Iterator[tuple[str, int]]:
     """Every directory below ``dir_fd``, children before parents: (relative path, its fd)."""
-    for listing in walk(dir_fd, bottom_up=True):
+    for listing in walk(dir_fd, bottom_up=True, onerror=skip_unreadable):
         yield listing.rel, listing.fd
 
 

@@ -14,6 +14,7 @@ import errno
 import json
 import os
 import secrets
+import stat
 import threading
 from collections.abc import Callable
 from pathlib import Path
@@ -297,6 +298,183 @@ def r2baseline8_removing_another_users_leftover_in_a_sticky_share_is_refused(sha
         return {"errno": 0}
 
     assert _as_nobody(remove)["errno"] == errno.EPERM
+
+
+# ---- 5. a foreign file's mode, set-id bits included, copied onto yours ---------------------------
+
+
+def _umask() -> int:
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+@case
+def r2case5_atomic_open_keeps_only_its_own_files_permission_bits(share: Share) -> None:
+    """A sticky share. A file of another user's (planted 06777 under the name you write) gives you
+    nothing: the umask's default; your own file keeps its permission bits, never a set-id or sticky bit."""
+    share.share.chmod(0o1777)
+    if share.privileged:  # only root can plant another user's file
+        import torch
+
+        default = 0o666 & ~_umask()
+        for name, write in (
+            ("trainer_state.json", lambda p: _write_atomically(p, "{}")),
+            ("state.pt", lambda p: safeio.torch_save({"step": 1}, p)),
+        ):
+            planted = share.share / name
+            planted.write_text("theirs")
+            os.chown(planted, OTHER, OTHER)
+            planted.chmod(0o6777)
+            write(planted)
+            st = os.lstat(planted)
+            assert (st.st_uid, stat.S_IMODE(st.st_mode)) == (os.geteuid(), default), (name, oct(st.st_mode))
+        assert torch.load(share.share / "state.pt") == {"step": 1}
+    own = share.share / "own.json"
+    own.write_text("old")
+    own.chmod(0o6750)
+    _write_atomically(own, "new")
+    assert stat.S_IMODE(os.lstat(own).st_mode) == 0o750, oct(os.lstat(own).st_mode)
+
+
+def _write_atomically(path: Path, text: str) -> None:
+    with safeio.atomic_open(path) as f:
+        f.write(text)
+
+
+# ---- 7. a tree deeper than the recursion limit -----------------------------------------------------
+
+DEEP = 3000  # levels: past Python's recursion limit (1000), and its path past PATH_MAX (4096)
+# The NFS-like mount's daemon works by path on its backing directory: no path past PATH_MAX there.
+DEEP_NFSLIKE = 1100  # still past the recursion limit
+
+
+def _deep_tree(parent: Path, name: str, levels: int) -> None:
+    """``parent/name/d/d/.../d/f`` with ``levels`` directories below ``name``, made relative to a held
+    descriptor (its paths are too long to make by name)."""
+    flags = os.O_RDONLY | os.O_DIRECTORY
+    os.mkdir(parent / name)
+    fd = os.open(parent / name, flags)
+    try:
+        for _ in range(levels):
+            os.mkdir("d", dir_fd=fd)
+            child = os.open("d", flags, dir_fd=fd)
+            os.close(fd)
+            fd = child
+        os.close(os.open("f", os.O_WRONLY | os.O_CREAT, 0o644, dir_fd=fd))
+    finally:
+        os.close(fd)
+
+
+def _depth(share: Share) -> tuple[int, bool]:
+    """Levels for a deep tree in this share, and whether its paths go past PATH_MAX."""
+    levels = DEEP if share.share.is_relative_to(share.root) else DEEP_NFSLIKE
+    return levels, 2 * levels > 4096
+
+
+@case
+def r2case7_deep_leftovers_are_removed_by_the_next_save_and_by_gc(share: Share) -> None:
+    """Past the recursion limit: removed wherever they are leftovers; a directory that is not safeio's is
+    walked where its paths fit in PATH_MAX (the NFS-like mount's case), else reported as too deep."""
+    levels, too_deep = _depth(share)
+    target = checkpoint(share)
+    # A killed save of the target left a deep tree in its stage: the next save removes it.
+    _deep_tree(share.share, stale_sibling(share.share, "ckpt").name, levels)
+    save(target, {"a.txt": "new a"}, mode="merge")
+    assert read_tree(target) == {"a.txt": "new a", "sub/b.txt": "old b"}
+    assert not siblings(share.share, "stage"), siblings(share.share)
+    # gc, dry run and real, beside a deep directory that is not safeio's and another deep leftover.
+    _deep_tree(share.share, "not-ours", levels)
+    stage = stale_sibling(share.share, "ckpt")
+    _deep_tree(share.share, stage.name, levels)
+    code, dry = cli("gc", "--dry-run", str(share.share))
+    assert str(stage) in dry and stage.is_dir(), dry
+    code, text = cli("gc", str(share.share))
+    assert not stage.exists() and (share.share / "not-ours").is_dir(), text
+    if too_deep:
+        assert code == 1 and f"{share.share / 'not-ours'}: too deep" in text, text
+    else:
+        assert code == 0, text
+    _remove_deep_tree(share.share, "not-ours", levels)  # shutil.rmtree, the harness's clean-up, cannot
+
+
+@case
+def r2case7_a_deep_tree_saved_or_planted_is_refused_or_reported(share: Share) -> None:
+    levels, too_deep = _depth(share)
+    # A body that writes one: refused (naming the target, nothing left behind) or saved.
+    deep = share.share / "deep"
+    if too_deep:
+        exc = raises(safeio.SafeIOError, lambda: _deep_save(deep, levels))
+        assert str(deep) in str(exc) and "too deep" in str(exc), exc
+        assert not siblings(share.share, "stage") and not deep.exists(), os.listdir(share.share)
+    else:
+        _deep_save(deep, levels)
+        assert safeio.verify(deep) == [], safeio.verify(deep)
+        _remove_deep_tree(deep, "sub", levels)
+    # A target with one planted inside: verify reports it or lists it, never a traceback.
+    target = checkpoint(share)
+    _deep_tree(target, "planted", levels)
+    code, text = cli("verify", str(target))
+    if too_deep:
+        assert code == 1 and f"{target / 'planted'}: too deep" in text, text
+    else:
+        assert code == 0 and "planted/d/d" in text, text  # listed as not in the manifest
+    _remove_deep_tree(target, "planted", levels)
+
+
+def _remove_deep_tree(parent: Path, name: str, levels: int) -> None:
+    """Undo ``_deep_tree``: down holding every level, then ``f`` and each ``d`` on the way up."""
+    fds = [os.open(parent, os.O_RDONLY | os.O_DIRECTORY)]
+    try:
+        for part in [name, *["d"] * levels]:
+            fds.append(os.open(part, os.O_RDONLY | os.O_DIRECTORY, dir_fd=fds[-1]))
+        os.unlink("f", dir_fd=fds[-1])
+        for part, fd in zip(reversed([name, *["d"] * levels]), reversed(fds[:-1]), strict=True):
+            os.rmdir(part, dir_fd=fd)
+    finally:
+        for fd in fds:
+            os.close(fd)
+
+
+def _deep_save(target: Path, levels: int) -> None:
+    with safeio.replicated(target, timeout=10) as stage:
+        _deep_tree(Path(stage.path), "sub", levels)
+
+
+# ---- 9. a bogus latest pointer --------------------------------------------------------------------
+
+
+@case
+def r2case9_a_bogus_latest_is_reported_never_followed_nor_read_whole(share: Share) -> None:
+    root = share.share / "run"
+    ckpts = safeio.Checkpoints(root, keep=None, timeout=10)
+    _step(ckpts, 1, "one")
+    pointer = root / "latest"
+    bogus: dict[str, Callable[[], None]] = {
+        "a link": lambda: os.symlink("/etc/passwd", pointer),
+        "a FIFO": lambda: os.mkfifo(pointer),
+        "a 1 GiB file": lambda: _sparse(pointer, 1 << 30),
+    }
+    for what, make in bogus.items():
+        pointer.unlink()
+        make()
+        for command in ("ls", "verify"):
+            code, text = cli(command, str(root))
+            assert code == 1 and str(pointer) in text, (what, command, code, text)
+        with captured_warnings() as warnings:
+            latest = ckpts.latest()  # no pointer: the steps are scanned
+        assert latest is not None and latest.step == 1, (what, latest)
+        assert any(str(pointer) in w for w in warnings), (what, warnings)
+        assert os.path.lexists(pointer), what  # not removed: it is not safeio's
+    _step(ckpts, 2, "two")  # a save replaces it with a good one (the 1 GiB file, here)
+    assert pointer.read_text() == "step_2"
+    code, text = cli("verify", str(root))
+    assert code == 0, text
+
+
+def _sparse(path: Path, size: int) -> None:
+    with open(path, "wb") as f:
+        f.truncate(size)
 
 
 ROOT_ONLY.update(

@@ -4,9 +4,7 @@ from __future__ import annotations
 
 import errno
 import logging
-import os
 import re
-import shutil
 from pathlib import Path
 from typing import Any
 
@@ -72,15 +70,15 @@ def test_refused_rename_exchange_is_a_warning(
 def test_a_leftover_kept_alive_by_open_files_is_a_warning(
     shared_dir: Path, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    real_rmtree = shutil.rmtree
+    real_remove = safeio._storage.fsops.remove_directory_at
 
-    def silly_renamed(path: str, *args: Any, **kwargs: Any) -> None:
-        if ".safeio-old-" in os.path.basename(path):  # NFS: an open .nfsXXXX file keeps it non-empty
-            raise OSError(errno.ENOTEMPTY, "Directory not empty", path)
-        real_rmtree(path, *args, **kwargs)
+    def silly_renamed(dir_fd: int, name: str) -> None:
+        if ".safeio-old-" in name:  # NFS: an open .nfsXXXX file keeps it non-empty
+            raise OSError(errno.ENOTEMPTY, "Directory not empty", name)
+        real_remove(dir_fd, name)
 
     monkeypatch.setenv("SAFEIO_NO_EXCHANGE", "1")
-    monkeypatch.setattr(safeio._storage.fsops.shutil, "rmtree", silly_renamed)
+    monkeypatch.setattr(safeio._storage.fsops, "remove_directory_at", silly_renamed)
     target = shared_dir / "tok"
     _save(target, "v1")
     caplog.set_level(logging.DEBUG, logger="safeio")

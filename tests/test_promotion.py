@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import subprocess
@@ -15,6 +16,7 @@ import pytest
 import safeio
 from safeio._promotion.leftovers import recover_directory
 from safeio._storage import manifest
+from safeio._storage.dirfd import HELD, held_directory, remove_directory_at, walk
 from safeio._storage.names import NAME_MAX, parse, process_start, sibling_name
 
 
@@ -417,3 +419,54 @@ def test_a_checkpoint_stage_another_thread_has_just_made_is_not_a_leftover(
         thread.join(60)
     assert not thread.is_alive() and errors == []
     assert safeio.Checkpoints(root, keep=None).steps() == [1, 2]
+
+
+# ---- walks without recursion (issue 25, item 7) ---------------------------------------------------
+
+
+def _chain(top: Path, levels: int) -> None:
+    """``top/d/d/.../d/f``, made relative to a held descriptor (deeper than PATH_MAX allows by name)."""
+    top.mkdir()
+    fd = os.open(top, os.O_RDONLY | os.O_DIRECTORY)
+    for _ in range(levels):
+        os.mkdir("d", dir_fd=fd)
+        child = os.open("d", os.O_RDONLY | os.O_DIRECTORY, dir_fd=fd)
+        os.close(fd)
+        fd = child
+    os.close(os.open("f", os.O_WRONLY | os.O_CREAT, 0o644, dir_fd=fd))
+    os.close(fd)
+
+
+def test_a_walk_holds_a_bounded_number_of_descriptors_at_any_depth(tmp_path: Path) -> None:
+    _chain(tmp_path / "t", 3000)
+    before = len(os.listdir("/proc/self/fd"))
+    most = seen = 0
+    with held_directory(str(tmp_path)) as fd:
+        for listing in walk(fd, max_relative=None):
+            if seen % 100 == 0:
+                most = max(most, len(os.listdir("/proc/self/fd")) - before)
+            seen += 1
+            assert listing.entries == [] or [name for name, _ in listing.entries] == ["f"]
+        assert seen == 3002
+        errors: list[OSError] = []
+        assert sum(1 for _ in walk(fd, onerror=errors.append)) < 3002  # stops where paths pass PATH_MAX
+        assert [(e.errno, e.filename) for e in errors] == [(errno.ENAMETOOLONG, "t")]
+        remove_directory_at(fd, "t")
+    assert 0 < most <= HELD + 2, most
+    assert os.listdir(tmp_path) == []
+
+
+def test_a_directory_moved_while_it_is_walked_stops_the_walk(tmp_path: Path) -> None:
+    """Ancestors past the held window are reopened through ``..``: if one was moved meanwhile, ``..`` is
+    another directory, and the walk stops rather than go on there."""
+    _chain(tmp_path / "t", 200)
+    with held_directory(str(tmp_path)) as fd:
+        walking = walk(fd)
+        for depth, _listing in enumerate(walking):
+            if depth == 150:  # level 80's descriptor is closed by now (only the last HELD are open)
+                os.rename(tmp_path / "t" / "/".join(["d"] * 79), tmp_path / "moved")
+                break
+        with pytest.raises(OSError, match="moved while it was walked") as raised:
+            for _ in walking:
+                pass
+    assert raised.value.errno == errno.ESTALE, raised.value

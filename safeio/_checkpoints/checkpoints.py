@@ -24,7 +24,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-import shutil
 import tempfile
 import time
 from collections.abc import Callable, Iterable
@@ -41,6 +40,7 @@ from safeio._options import SaveOptions
 from safeio._promotion import active
 from safeio._promotion.backends import backend_for
 from safeio._promotion.steps import LATEST, MEGATRON_TRACKER, StepNames, StepPromotion, check_step
+from safeio._storage.fsops import discard_tree
 from safeio._who import who
 
 __all__ = ["LATEST", "MEGATRON_TRACKER", "Checkpoint", "CheckpointStage", "Checkpoints"]
@@ -383,7 +383,7 @@ class CheckpointSave:
                 self._exit_peer(exc)
         finally:
             if self._scratch is not None:
-                shutil.rmtree(self._scratch, ignore_errors=True)
+                discard_tree(self._scratch)
 
     # -- the other ranks -----------------------------------------------------------------------------
 

@@ -146,11 +146,9 @@ class AtomicFile(FilePromotion):
             self.phase("fsync")
             if self._file is not None:
                 self._file.close()  # a caller's unflushed buffer reaches the file before the fsync
-            # The replaced file's mode is kept; a link is not followed for it: a link planted at the name
-            # in a shared directory would otherwise choose our file's mode (a 0o666 file of theirs).
-            current = lstat_at(fd, name)
-            if current is not None and stat.S_ISREG(current.st_mode):
-                os.fchmod(self._fd, stat.S_IMODE(current.st_mode))
+            kept = kept_mode(lstat_at(fd, name))
+            if kept is not None:
+                os.fchmod(self._fd, kept)
             if self.durable:
                 os.fsync(self._fd)
             self.phase("promote")
@@ -201,6 +199,19 @@ class AtomicFile(FilePromotion):
             if value >= 0:
                 with contextlib.suppress(OSError):
                     os.close(value)
+
+
+def kept_mode(replaced: os.stat_result | None) -> int | None:
+    """The permission bits a new file takes from the one it replaces; None: the umask's default.
+
+    Only from a regular file of this euid (a link is not followed: one planted at the name would choose
+    our mode), and never its set-id or sticky bits: in a sticky share, another user's file planted 06777
+    under the name root writes made root's new file root-owned 06777, a pickle root later loads that
+    the planter could then rewrite.
+    """
+    if replaced is None or not stat.S_ISREG(replaced.st_mode) or replaced.st_uid != os.geteuid():
+        return None
+    return stat.S_IMODE(replaced.st_mode) & 0o777
 
 
 class UploadedFile(FilePromotion):

@@ -196,7 +196,8 @@ class PosixBackend(Backend):
 
     def holds_checkpoints(self) -> bool:
         path = self.location.path
-        return os.path.isfile(os.path.join(path, LATEST)) or os.path.lexists(lock_path_for(path, ROOT_LOCK))
+        # Anything under ``latest`` (a FIFO, a link planted there): the root's check reports it.
+        return os.path.lexists(os.path.join(path, LATEST)) or os.path.lexists(lock_path_for(path, ROOT_LOCK))
 
 
 class ObjectStoreBackend(Backend):

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import logging
 import os
-import shutil
 import tempfile
 from typing import Any
 
@@ -22,6 +21,7 @@ from safeio._errors import InvalidTargetError, TargetExistsError
 from safeio._promotion.base import Promotion
 from safeio._storage import manifest
 from safeio._storage.dirfd import held_directory
+from safeio._storage.fsops import discard_tree
 from safeio._storage.readers import ObjectStoreReader
 from safeio._who import who
 
@@ -54,7 +54,7 @@ class CommitMarker(Promotion):
         return tempfile.mkdtemp(prefix="safeio-upload-")
 
     def discard(self, stage: str) -> None:
-        shutil.rmtree(stage, ignore_errors=True)
+        discard_tree(stage)
 
     def _prepare(self, stage: str) -> dict[str, dict[str, Any]]:
         # The manifest is the commit marker: always written, whatever the manifest option says.
@@ -77,7 +77,7 @@ class CommitMarker(Promotion):
                 self.phase("cleanup")
                 self._delete_unlisted(record)
         finally:
-            shutil.rmtree(stage, ignore_errors=True)
+            discard_tree(stage)
         logger.debug("%s: committed %s (%d files)", who(self.rank), self.location.url(), len(entries))
 
     def _delete_unlisted(self, record: dict[str, Any]) -> None:

@@ -7,7 +7,7 @@ import os
 import stat
 from dataclasses import dataclass
 
-from safeio._storage.dirfd import lstat_at, open_directory, walk_files
+from safeio._storage.dirfd import lstat_at, open_directory, skip_unreadable, walk
 from safeio._storage.names import Sibling
 
 
@@ -57,7 +57,12 @@ def tree_size(dir_fd: int, name: str) -> int:
     with contextlib.suppress(OSError):
         fd = open_directory(name, dir_fd=dir_fd)
         try:
-            total = sum(s.st_size for _rel, _fd, _name, s in walk_files(fd) if stat.S_ISREG(s.st_mode))
+            total = sum(
+                s.st_size
+                for listing in walk(fd, max_relative=None, onerror=skip_unreadable)  # any depth
+                for _name, s in listing.entries
+                if stat.S_ISREG(s.st_mode)
+            )
         finally:
             os.close(fd)
     return total

@@ -15,6 +15,7 @@ one whose owner may be alive.
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import stat
 from collections.abc import Iterable
@@ -40,6 +41,9 @@ from safeio._storage.fsops import remove_at
 from safeio._storage.location import Location
 from safeio._storage.names import parse, sibling_name
 from safeio._storage.readers import LocalReader, read_pointer
+from safeio._who import who
+
+logger = logging.getLogger("safeio")
 
 ROOT_LOCK = "checkpoints"  # one promotion lock per root: ``.checkpoints.safeio.lock``
 _SEQUENCE_CAP = 64  # bytes: a decimal number
@@ -122,7 +126,7 @@ class LocalSteps(StepStorage):
             return []
 
     def read_pointer(self) -> str | None:
-        return read_pointer(self.url(LATEST))
+        return _pointer_or_none(self.url(LATEST))
 
     def identity(self, name: str) -> object | None:
         # A directory: (device, inode, owner). Renamed into place once and never changed after.
@@ -139,7 +143,7 @@ class LocalSteps(StepStorage):
             return None
 
     def read_sequence(self) -> int | None:
-        return _parse_sequence(read_pointer(self.url(SEQUENCE)))
+        return _parse_sequence(_pointer_or_none(self.url(SEQUENCE)))
 
     # -- the writer ----------------------------------------------------------------------------------
 
@@ -255,6 +259,16 @@ class LocalSteps(StepStorage):
             return stat.S_ISDIR(os.lstat(self.url(stage_name)).st_mode)
         except OSError:
             return False
+
+
+def _pointer_or_none(path: str) -> str | None:
+    """A pointer file's text; None, with a WARNING naming it, when something else stands there (the steps
+    are then scanned: a bogus ``latest`` is never followed nor waited on)."""
+    try:
+        return read_pointer(path)
+    except InvalidTargetError as exc:
+        logger.warning("%s: %s; ignored: the committed steps are scanned instead", who(), exc)
+        return None
 
 
 def _parse_sequence(text: str | None) -> int | None:

@@ -22,7 +22,6 @@ import contextlib
 import json
 import logging
 import os
-import shutil
 import time
 from collections.abc import Iterable
 from typing import Any
@@ -40,6 +39,7 @@ from safeio._promotion.steps import (
 )
 from safeio._storage import manifest
 from safeio._storage.dirfd import held_directory
+from safeio._storage.fsops import discard_tree
 from safeio._storage.location import Location
 from safeio._storage.readers import POINTER_CAP, ObjectStoreReader
 from safeio._who import who
@@ -120,7 +120,7 @@ class StepMarker(StepPromotion):
         with contextlib.suppress(OSError, ValueError):
             self.fs.rm(self.prefix, recursive=True)
         if stage:
-            shutil.rmtree(stage, ignore_errors=True)
+            discard_tree(stage)
 
 
 class ObjectSteps(StepStorage):

@@ -15,7 +15,7 @@ import functools
 import logging
 import os
 import re
-import shutil
+import stat
 import tempfile
 import time
 from dataclasses import dataclass
@@ -34,6 +34,8 @@ from safeio._promotion.backends import backend_for
 from safeio._promotion.base import Promoted
 from safeio._saves.identity import save_identity
 from safeio._saves.visibility import DirectoryVisibility, FileVisibility
+from safeio._storage.dirfd import held_directory, walk_files
+from safeio._storage.fsops import discard_tree
 from safeio._who import who
 
 logger = logging.getLogger("safeio")
@@ -232,7 +234,7 @@ class ReplicatedSave:
         if stage.path:
             scratch = stage.path if self.kind == "directory" else os.path.dirname(stage.path)
             own = scratch_files(scratch) if self.kind == "directory" and exc is None else {}
-            shutil.rmtree(scratch, ignore_errors=True)
+            discard_tree(scratch)
         if exc is not None:
             return  # this rank's own error; the writer never waits for it
         started = time.monotonic()
@@ -290,12 +292,19 @@ def replicated(
 def scratch_files(scratch: str) -> dict[str, int]:
     """What this peer's own body wrote (SPMD bodies write on every rank): relative name -> size."""
     found: dict[str, int] = {}
-    for dirpath, _, names in os.walk(scratch):
-        for name in names:
-            path = os.path.join(dirpath, name)
-            with contextlib.suppress(OSError):
-                found[os.path.relpath(path, scratch)] = os.lstat(path).st_size
+    with contextlib.suppress(OSError), held_directory(scratch, follow=True) as scratch_fd:
+        for rel_dir, fd, name, st in walk_files(scratch_fd):
+            if stat.S_ISLNK(st.st_mode) and _links_to_directory(fd, name):
+                continue  # a directory, for the body
+            found[f"{rel_dir}/{name}" if rel_dir else name] = st.st_size
     return found
+
+
+def _links_to_directory(dir_fd: int, name: str) -> bool:
+    try:
+        return stat.S_ISDIR(os.stat(name, dir_fd=dir_fd).st_mode)
+    except OSError:
+        return False
 
 
 _DCP_SHARD = re.compile(r"__[0-9]+_[0-9]+\.distcp")

@@ -14,7 +14,8 @@ import contextlib
 import errno
 import os
 import stat
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 
 from safeio._storage.names import NAME_MAX
 
@@ -100,24 +101,187 @@ def open_regular_file(dir_fd: int, name: str) -> tuple[int, os.stat_result]:
     return fd, st
 
 
-def walk_files(dir_fd: int) -> Iterator[tuple[str, int, str, os.stat_result]]:
-    """Every entry below ``dir_fd`` that is not a directory: (relative dir, its fd, name, lstat).
+# A relative path longer than PATH_MAX cannot be opened by name, nor listed in a manifest
+# (``is_relative_name``): a walk that would go deeper reports it (ENAMETOOLONG) instead.
+MAX_RELATIVE = 4096
+# Directories a walk holds open at once: deeper ancestors are closed and reopened through ".." (their
+# identity checked) on the way back up, so a 3,000-level tree needs no more descriptors than a shallow one.
+HELD = 64
+_GONE = frozenset({errno.ENOENT, errno.ENOTDIR, errno.ELOOP})  # removed, or swapped for a file or link
 
-    ``os.fwalk`` never follows symlinks to directories; entries are listed, links included, as links.
+
+@dataclass
+class Listing:
+    """One directory of a walk: its path relative to the top, its descriptor (valid while the walk is at
+    it), its entries that are not directories (sorted, with their lstat) and its subdirectories (sorted;
+    a top-down caller may prune them, as with ``os.fwalk``)."""
+
+    rel: str
+    fd: int
+    entries: list[tuple[str, os.stat_result]]
+    subdirs: list[str]
+
+
+@dataclass
+class _Level:
+    listing: Listing
+    identity: tuple[int, int]
+    pending: list[str] | None = None  # subdirectories still to visit, last first
+
+
+def walk(
+    dir_fd: int,
+    *,
+    bottom_up: bool = False,
+    max_relative: int | None = MAX_RELATIVE,
+    onerror: Callable[[OSError], None] | None = None,
+) -> Iterator[Listing]:
+    """Every directory below ``dir_fd``, itself included, never following a link: top-down (each before
+    its subdirectories) or ``bottom_up`` (each after them).
+
+    An explicit stack, not recursion (``os.fwalk`` and ``shutil.rmtree`` recurse once per level: a tree
+    deeper than the recursion limit, about 1,000, made them raise RecursionError), holding at most HELD
+    descriptors. A subdirectory removed or swapped for a link meanwhile is skipped. One that cannot be
+    opened or listed raises OSError whose filename is its relative path (None ``max_relative``: the path
+    is not tracked, only its name), or goes to ``onerror`` and is skipped; so does one whose relative path
+    would be longer than ``max_relative`` (ENAMETOOLONG, "too deep", named by the top's entry holding it).
     """
-    for dirpath, dirnames, filenames, fd in os.fwalk(".", dir_fd=dir_fd):
-        dirnames.sort()
-        rel_dir = "" if dirpath == "." else dirpath[2:]
-        for name in sorted(filenames):
-            st = lstat_at(fd, name)
-            if st is not None:
-                yield rel_dir, fd, name, st
+    top = os.dup(dir_fd)
+    stack: list[_Level] = []
+    first_open = 1  # stack[1:first_open] had their descriptors closed (see HELD)
+    try:
+        stack.append(_Level(_listing(top, ""), identity(os.fstat(top))))
+        while stack:
+            level = stack[-1]
+            listing = level.listing
+            if level.pending is None:
+                if not bottom_up:
+                    yield listing
+                level.pending = listing.subdirs[::-1]
+            if level.pending:
+                child = _open_child(listing, level.pending.pop(), max_relative, onerror)
+                if child is not None:
+                    stack.append(child)
+                    if len(stack) - first_open > HELD:
+                        os.close(stack[first_open].listing.fd)
+                        stack[first_open].listing.fd = -1
+                        first_open += 1
+                continue
+            if bottom_up:
+                yield listing
+            stack.pop()
+            if stack and stack[-1].listing.fd < 0:
+                _reopen_parent(stack[-1], listing)
+                first_open = len(stack) - 1
+            os.close(listing.fd)
+            listing.fd = -1
+    finally:
+        for level in stack:
+            if level.listing.fd >= 0:
+                os.close(level.listing.fd)
+
+
+def _open_child(
+    listing: Listing, name: str, max_relative: int | None, onerror: Callable[[OSError], None] | None
+) -> _Level | None:
+    rel = "" if max_relative is None else (f"{listing.rel}/{name}" if listing.rel else name)
+    try:
+        if max_relative is not None and len(rel) > max_relative:
+            raise OSError(errno.ENAMETOOLONG, f"too deep: a path below it is over {max_relative} characters")
+        fd = open_directory(name, dir_fd=listing.fd)
+    except OSError as exc:
+        if exc.errno in _GONE:
+            return None
+        # Too deep: named by the entry of the walked directory that holds it (a path past PATH_MAX is
+        # unreadable in a report).
+        too_deep = exc.errno == errno.ENAMETOOLONG
+        error = OSError(exc.errno, exc.strerror, rel.split("/", 1)[0] if too_deep else rel or name)
+        if onerror is None:
+            raise error from exc
+        onerror(error)
+        return None
+    try:
+        return _Level(_listing(fd, rel), identity(os.fstat(fd)))
+    except OSError as exc:
+        os.close(fd)
+        error = OSError(exc.errno, exc.strerror, rel or name)
+        if onerror is None:
+            raise error from exc
+        onerror(error)
+        return None
+    except BaseException:
+        os.close(fd)
+        raise
+
+
+def _listing(fd: int, rel: str) -> Listing:
+    """One ``scandir`` and one ``fstatat`` per entry."""
+    with os.scandir(fd) as found:
+        entries = sorted(found, key=lambda entry: entry.name)
+    files: list[tuple[str, os.stat_result]] = []
+    subdirs: list[str] = []
+    for entry in entries:
+        try:
+            st = entry.stat(follow_symlinks=False)
+        except FileNotFoundError:
+            continue
+        if stat.S_ISDIR(st.st_mode):
+            subdirs.append(entry.name)
+        else:
+            files.append((entry.name, st))
+    return Listing(rel, fd, files, subdirs)
+
+
+def _reopen_parent(parent: _Level, child: Listing) -> None:
+    """Reopen ``parent``'s closed descriptor through ``..`` of ``child``: the same directory, or the walk
+    fails (it was moved meanwhile, and ``..`` is now elsewhere)."""
+    fd = os.open("..", DIRECTORY_FLAGS, dir_fd=child.fd)
+    if identity(os.fstat(fd)) != parent.identity:
+        os.close(fd)
+        raise OSError(errno.ESTALE, "moved while it was walked", parent.listing.rel or ".")
+    parent.listing.fd = fd
+
+
+def skip_unreadable(error: OSError) -> None:
+    """``os.fwalk``'s way: a subdirectory that cannot be opened or listed is passed over. Not one too deep
+    to name: that is raised, never a silent omission (a manifest without the files below it)."""
+    if error.errno == errno.ENAMETOOLONG:
+        raise error
+
+
+def walk_files(dir_fd: int) -> Iterator[tuple[str, int, str, os.stat_result]]:
+    """Every entry below ``dir_fd`` that is not a directory: (relative dir, its fd, name, lstat), links
+    included, as links."""
+    for listing in walk(dir_fd, onerror=skip_unreadable):
+        for name, st in listing.entries:
+            yield listing.rel, listing.fd, name, st
 
 
 def walk_directories(dir_fd: int) -> Iterator[tuple[str, int]]:
     """Every directory below ``dir_fd``, children before parents: (relative path, its fd)."""
-    for dirpath, _dirnames, _filenames, fd in os.fwalk(".", dir_fd=dir_fd, topdown=False):
-        yield ("" if dirpath == "." else dirpath[2:]), fd
+    for listing in walk(dir_fd, bottom_up=True, onerror=skip_unreadable):
+        yield listing.rel, listing.fd
+
+
+def remove_directory_at(dir_fd: int, name: str) -> None:
+    """Remove the directory ``name`` in ``dir_fd`` and everything in it, following no link, at any depth
+    (``shutil.rmtree`` recursed once per level)."""
+    fd = open_directory(name, dir_fd=dir_fd)
+    try:
+        for listing in walk(fd, bottom_up=True, max_relative=None):
+            for entry, _st in listing.entries:
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(entry, dir_fd=listing.fd)
+            for subdir in listing.subdirs:  # emptied already: children come first
+                try:
+                    os.rmdir(subdir, dir_fd=listing.fd)
+                except FileNotFoundError:
+                    pass
+                except NotADirectoryError:  # swapped for a file or link meanwhile: never entered
+                    os.unlink(subdir, dir_fd=listing.fd)
+    finally:
+        os.close(fd)
+    os.rmdir(name, dir_fd=dir_fd)
 
 
 def fsync_fd_tree(dir_fd: int, *, root: bool = True) -> None:

@@ -2,14 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import logging
 import os
-import shutil
 import stat
 import time
 
-from safeio._storage.dirfd import held_directory
+from safeio._storage.dirfd import held_directory, remove_directory_at
 from safeio._who import who
 
 logger = logging.getLogger("safeio")
@@ -28,7 +28,7 @@ def remove_at(dir_fd: int, name: str, *, what: str = "leftover", shown: str | No
         try:
             st = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
             if stat.S_ISDIR(st.st_mode):
-                shutil.rmtree(name, dir_fd=dir_fd)  # the fd-based rmtree: it never follows links
+                remove_directory_at(dir_fd, name)  # never follows a link, at any depth
             else:
                 os.unlink(name, dir_fd=dir_fd)
             return True
@@ -55,3 +55,10 @@ def remove_tree(path: str, *, what: str = "leftover") -> bool:
             return remove_at(parent, os.path.basename(path), what=what, shown=path)
     except FileNotFoundError:
         return True
+
+
+def discard_tree(path: str) -> None:
+    """Remove a private scratch directory this process made, best effort (``shutil.rmtree(path,
+    ignore_errors=True)`` recursed once per level: a body's deep tree raised RecursionError through it)."""
+    with contextlib.suppress(OSError):
+        remove_tree(path, what="scratch directory")

@@ -11,13 +11,15 @@ through them; the writing side is ``safeio._promotion``.
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import stat
 from abc import ABC, abstractmethod
 from typing import Any
 
+from safeio._errors import InvalidTargetError
 from safeio._storage import manifest
-from safeio._storage.dirfd import held_directory
+from safeio._storage.dirfd import FILE_FLAGS, held_directory
 from safeio._storage.location import Location
 from safeio._storage.metadata import MANIFEST_CAP, Damaged, parse_json, validate_manifest
 from safeio._storage.names import is_version_pointee
@@ -264,21 +266,39 @@ class ObjectStoreReader(TargetReader):
 
 
 def read_pointer(path: str | os.PathLike[str]) -> str | None:
-    """The text of a small pointer file (``latest``), or None when it is absent or not a small regular
-    file (a link or a directory planted at its name is not followed or read)."""
+    """The text of a pointer file (``latest``), or None when there is none.
+
+    Anything else under its name is refused with InvalidTargetError naming it, never followed or read
+    whole: opened ``O_NOFOLLOW`` (a link to ``/etc/passwd``, which DeepSpeed-style loaders follow, is
+    not) and ``O_NONBLOCK`` (a FIFO never hangs), a regular file by ``fstat``, of at most POINTER_CAP
+    bytes before anything is read (a 1 GiB file is not).
+    """
+    shown = os.fspath(path)
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
-    except OSError:
+        fd = os.open(path, FILE_FLAGS)
+    except FileNotFoundError:
         return None
+    except OSError as exc:
+        what = "a symbolic link" if exc.errno == errno.ELOOP else f"unreadable ({exc.strerror or exc})"
+        raise _bad_pointer(shown, what) from exc
     try:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            return None
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise _bad_pointer(shown, "not a regular file")
+        if st.st_size > POINTER_CAP:
+            raise _bad_pointer(shown, f"{st.st_size} bytes, over the {POINTER_CAP}-byte limit")
         data = os.read(fd, POINTER_CAP + 1)
+    except OSError as exc:
+        raise _bad_pointer(shown, f"unreadable ({exc.strerror or exc})") from exc
     finally:
         os.close(fd)
     if len(data) > POINTER_CAP:
-        return None
+        raise _bad_pointer(shown, f"over the {POINTER_CAP}-byte limit")
     return data.decode("utf-8", "replace").strip()
+
+
+def _bad_pointer(path: str, what: str) -> InvalidTargetError:
+    return InvalidTargetError(f"the pointer file {path} is {what}: not a pointer safeio wrote", path)
 
 
 POINTER_CAP = 4096

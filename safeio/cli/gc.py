@@ -20,7 +20,7 @@ from typing import Any
 
 from safeio._promotion.leftovers import owners_that_count, recover_directory, staleness
 from safeio._promotion.recovery_records import Action
-from safeio._storage.dirfd import lstat_at
+from safeio._storage.dirfd import held_directory, lstat_at, walk
 from safeio._storage.lock_markers import read_marker, remove_if_unchanged
 from safeio._storage.names import LOCK_SUFFIX, parse
 from safeio.cli._common import (
@@ -83,24 +83,31 @@ def run(args: argparse.Namespace) -> int:
     report = Report(root, args.dry_run, args.older_than)
 
     def onerror(exc: OSError) -> None:
-        report.errors.append({"path": str(exc.filename or root), "error": exc.strerror or str(exc)})
+        path = os.path.join(root, exc.filename) if exc.filename else root
+        report.errors.append({"path": path, "error": exc.strerror or str(exc)})
 
-    # fwalk, not following links: a symlink to a directory elsewhere is listed but never entered, and
-    # each directory is worked on through the descriptor the walk holds, so a directory swapped for a
-    # link meanwhile cannot lead gc outside PATH.
-    for dirpath, dirnames, filenames, dir_fd in os.fwalk(root, onerror=onerror, follow_symlinks=False):
-        names = sorted(dirnames + filenames)
-        if any(parse(name) is not None or _is_lock_name(name) for name in names):
-            _collect(dirpath, dir_fd, names, report, args.older_than, args.dry_run)
-        # A safeio sibling is handled whole (its contents, .nfs* included, are safeio's); the
-        # strict lock's claims directory belongs to filelock.
-        dirnames[:] = sorted(
-            d
-            for d in dirnames
-            if parse(d) is None
-            and not d.endswith(LOCK_SUFFIX + ".filelock")
-            and lstat_at(dir_fd, d) is not None
-        )
+    # Not following links: a symlink to a directory elsewhere is listed but never entered, and each
+    # directory is worked on through the descriptor the walk holds, so a directory swapped for a link
+    # meanwhile cannot lead gc outside PATH. The walk recurses on nothing (os.fwalk did, once per
+    # level: a 3,000-level tree was a RecursionError); a directory too deep to name is an error here.
+    try:
+        with held_directory(root, follow=True) as root_fd:
+            for listing in walk(root_fd, onerror=onerror):
+                dirpath = os.path.join(root, listing.rel) if listing.rel else root
+                names = sorted([*listing.subdirs, *(name for name, _st in listing.entries)])
+                if any(parse(name) is not None or _is_lock_name(name) for name in names):
+                    _collect(dirpath, listing.fd, names, report, args.older_than, args.dry_run)
+                # A safeio sibling is handled whole (its contents, .nfs* included, are safeio's); the
+                # strict lock's claims directory belongs to filelock.
+                listing.subdirs[:] = [
+                    d
+                    for d in listing.subdirs
+                    if parse(d) is None
+                    and not d.endswith(LOCK_SUFFIX + ".filelock")
+                    and lstat_at(listing.fd, d) is not None
+                ]
+    except OSError as exc:
+        onerror(exc)
     if args.json:
         print_json(report.to_dict())
     else:

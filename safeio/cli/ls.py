@@ -7,6 +7,7 @@ import os
 from typing import Any
 
 from safeio._checkpoints.pointer import read_pointer
+from safeio._errors import InvalidTargetError
 from safeio._promotion.backends import backend_for
 from safeio._promotion.steps import LATEST, StepNames
 from safeio._storage.dirfd import held_directory, walk_files
@@ -88,12 +89,24 @@ def name_patterns(root: str, name: str | None) -> list[StepNames]:
     return [StepNames(p, root) for p in ([name] if name else PATTERNS)]
 
 
+def latest_pointer(root: str) -> tuple[str | None, str | None]:
+    """What ``latest`` under ``root`` names (None: no pointer), and the problem with it, if any (a link,
+    a FIFO, a huge file: reported with its path, never followed or read)."""
+    try:
+        return read_pointer(os.path.join(root, LATEST)), None
+    except InvalidTargetError as exc:
+        return None, str(exc)
+
+
 def run(args: argparse.Namespace) -> int:
     root = existing_directory(args.root, what="ROOT")
-    latest = read_pointer(os.path.join(root, LATEST))
+    latest, problem = latest_pointer(root)
     rows = checkpoint_rows(root, name_patterns(root, args.name))
-    latest_ok = latest is None or any(r["name"] == latest and r["state"] == "committed" for r in rows)
-    report = {"root": root, "latest": latest, "latest_ok": latest_ok, "checkpoints": rows}
+    latest_ok = problem is None and (
+        latest is None or any(r["name"] == latest and r["state"] == "committed" for r in rows)
+    )
+    report: dict[str, Any] = {"root": root, "latest": latest, "latest_ok": latest_ok}
+    report.update(latest_problem=problem, checkpoints=rows)
     if args.json:
         print_json(report)
     else:
@@ -102,6 +115,8 @@ def run(args: argparse.Namespace) -> int:
             print(f"{row['state']:<22} {human_bytes(row['size']):>10}  {row['name']}{mark}")
         if not rows:
             print(f"no checkpoints under {root}")
-        if not latest_ok:
+        if problem is not None:
+            print(problem)
+        elif not latest_ok:
             print(f"latest names {latest!r}, which is not a committed checkpoint here")
     return EXIT_OK if latest_ok else EXIT_PROBLEMS

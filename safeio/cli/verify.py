@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from typing import Any
 
@@ -43,13 +44,19 @@ def run(args: argparse.Namespace) -> int:
     record = reader.manifest() if reader.exists() else None
     if problems and record is None and reader.exists():
         problems = [reader.describe_missing_manifest()]
+    unlisted: list[str] = []
+    try:
+        unlisted = reader.unlisted(record) if record else []
+    except OSError as exc:  # a tree too deep to list, a directory that cannot be read
+        where = os.path.join(shown, exc.filename) if isinstance(exc.filename, str) else shown
+        problems = [*problems, f"{where}: {exc.strerror or exc}; its files were not checked"]
     report: dict[str, Any] = {
         "path": shown,
         "ok": not problems,
         "problems": problems,
         "files": len(record["files"]) if record else 0,
         "hashes_checked": record is not None and not args.no_hashes and _has_hashes(record),
-        "unlisted": reader.unlisted(record) if record else [],
+        "unlisted": unlisted,
     }
     if args.json:
         print_json(report)

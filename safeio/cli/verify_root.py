@@ -12,11 +12,9 @@ import argparse
 import os
 from typing import Any
 
-from safeio._checkpoints.pointer import read_pointer
 from safeio._promotion.backends import backend_for
-from safeio._promotion.steps import LATEST
 from safeio.cli._common import EXIT_OK, EXIT_PROBLEMS, print_json
-from safeio.cli.ls import FOREIGN, checkpoint_rows, name_patterns
+from safeio.cli.ls import FOREIGN, checkpoint_rows, latest_pointer, name_patterns
 
 
 def verify_root(root: str, args: argparse.Namespace) -> int:
@@ -32,8 +30,10 @@ def verify_root(root: str, args: argparse.Namespace) -> int:
             has_marker = reader.manifest() is not None
             why = "damaged after its commit" if has_marker else "not committed (no valid marker)"
             problems.append(f"{row['name']}: {why}; latest() never resumes from it: {'; '.join(found)}")
-    latest = read_pointer(os.path.join(root, LATEST))
-    if latest is not None and not any(r["name"] == latest and r["state"] == "committed" for r in rows):
+    latest, pointer_problem = latest_pointer(root)
+    if pointer_problem is not None:
+        problems.append(pointer_problem)
+    elif latest is not None and not any(r["name"] == latest and r["state"] == "committed" for r in rows):
         problems.append(f"latest names {latest!r}, which is not a committed checkpoint")
     report: dict[str, Any] = {
         "path": root,

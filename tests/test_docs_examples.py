@@ -124,3 +124,26 @@ def test_relative_links_resolve() -> None:
             if file and not (page.parent / file).exists():
                 broken.append(f"{page.relative_to(ROOT)}:{line}: {target}")
     assert broken == []
+
+
+def test_every_public_error_is_documented() -> None:
+    import safeio
+
+    errors = [
+        name
+        for name in safeio.__all__
+        if isinstance(getattr(safeio, name), type) and issubclass(getattr(safeio, name), safeio.SafeIOError)
+    ]
+    page = (ROOT / "docs" / "errors.md").read_text(encoding="utf-8")
+    assert len(errors) >= 12 and [e for e in errors if f"| `{e}` |" not in page] == []
+
+
+def test_every_environment_variable_is_documented() -> None:
+    import re
+
+    used = set()
+    for path in (ROOT / "safeio").rglob("*"):
+        if path.suffix in (".py", ".pth"):
+            used |= set(re.findall(r"\bSAFEIO_[A-Z_]*[A-Z]\b", path.read_text(encoding="utf-8")))
+    page = (ROOT / "docs" / "environment-variables.md").read_text(encoding="utf-8")
+    assert "SAFEIO_PATCH" in used and sorted(v for v in used if f"`{v}`" not in page) == []

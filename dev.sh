@@ -50,6 +50,7 @@ ensure_venv() {
     if "$VENV/bin/python" -m pip show -q safeio >/dev/null 2>&1; then
       "$VENV/bin/python" -m pip uninstall -q -y safeio
     fi
+    rm -rf safeio.egg-info  # its metadata in the checkout: importlib.metadata would still list "safeio"
     "$VENV/bin/python" -m pip install -q -e ".[dev]"
     echo "$want" > "$stamp"
   fi

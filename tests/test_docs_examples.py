@@ -147,3 +147,17 @@ def test_every_environment_variable_is_documented() -> None:
             used |= set(re.findall(r"\bSAFEIO_[A-Z_]*[A-Z]\b", path.read_text(encoding="utf-8")))
     page = (ROOT / "docs" / "environment-variables.md").read_text(encoding="utf-8")
     assert "SAFEIO_PATCH" in used and sorted(v for v in used if f"`{v}`" not in page) == []
+
+
+def test_the_architecture_page_names_every_private_module() -> None:
+    page = (ROOT / "docs" / "architecture.md").read_text(encoding="utf-8")
+    layout = page[page.index("```\nsafeio/") :]
+    layout = layout[: layout.index("```", 4)]
+    package = ROOT / "safeio"
+    modules = [
+        p.relative_to(package).as_posix()
+        for p in package.rglob("*.py")
+        if p.parts[len(package.parts)] not in ("cli", "testing", "integrations")
+        and p.name not in ("__init__.py", "__main__.py")
+    ]
+    assert len(modules) > 40 and sorted(m for m in modules if m.rsplit("/", 1)[-1] not in layout) == []

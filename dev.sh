@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# The README's Quick start: `./dev.sh demo` runs the main job, `./dev.sh test` runs the whole suite.
+# The README's Quick start: `./dev.sh demo` runs the main job, `./dev.sh test` runs the whole suite
+# (the docs' code examples included); `./dev.sh docs` builds the docs site strictly.
 # Both create (once) and reuse a project-local virtual environment in .venv; nothing needs to be
 # installed by hand first on a Debian/Ubuntu machine with Python 3.11+.
 set -euo pipefail
@@ -43,6 +44,13 @@ ensure_venv() {
     # torch first and pinned: on the CI machine kind torch==2.13.0 is a local CPU build, and an
     # unpinned torch would pull a multi-GB CUDA build.
     "$VENV/bin/python" -m pip install -q "torch==2.13.0"
+    # The distribution was called "safeio" before it became safeio-ckpt (the name "safeio" on the
+    # package index is another project): an old editable install must go, or two distributions
+    # would own the safeio package, its script and its start-up hook.
+    if "$VENV/bin/python" -m pip show -q safeio >/dev/null 2>&1; then
+      "$VENV/bin/python" -m pip uninstall -q -y safeio
+    fi
+    rm -rf safeio.egg-info  # its metadata in the checkout: importlib.metadata would still list "safeio"
     "$VENV/bin/python" -m pip install -q -e ".[dev]"
     echo "$want" > "$stamp"
   fi
@@ -68,6 +76,16 @@ case "$cmd" in
   bench)
     ensure_fuse; ensure_venv
     exec "$VENV/bin/python" -m benchmarks "$@" ;;
+  docs)
+    # The docs site, built strictly: a warning (a broken link, a docstring mkdocstrings cannot read)
+    # fails the build. `./dev.sh docs serve` previews it on http://127.0.0.1:8000.
+    ensure_venv
+    export NO_MKDOCS_2_WARNING=1  # mkdocs-material's banner about its successor, not about these docs
+    if [ "${1:-}" = serve ]; then shift; exec "$VENV/bin/mkdocs" serve --strict "$@"; fi
+    site=$(mktemp -d)
+    trap 'rm -rf "$site"' EXIT
+    "$VENV/bin/mkdocs" build --strict --site-dir "$site" "$@"
+    echo "dev.sh: docs built (strict) into $site, removed" >&2 ;;
   *)
-    echo "usage: ./dev.sh demo|test|lint|bench [args...]" >&2; exit 2 ;;
+    echo "usage: ./dev.sh demo|test|lint|bench|docs [args...]" >&2; exit 2 ;;
 esac

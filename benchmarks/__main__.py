@@ -14,7 +14,10 @@ from typing import Any
 from benchmarks import _plot, _report
 from benchmarks._core import Result
 
-DEFAULT_OUT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
+# Into the docs site: docs/benchmarks/results/results.md is the page "Benchmarks: every figure".
+DEFAULT_OUT = os.path.join(
+    os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "docs", "benchmarks", "results"
+)
 
 
 def _registry(disk: str, tmpfs: str) -> dict[str, Callable[[bool], Result]]:
@@ -88,7 +91,9 @@ def main(argv: list[str] | None = None) -> int:
         metavar="NAME",
         help=f"run only this benchmark (repeatable): {', '.join(names)}",
     )
-    parser.add_argument("--out", default=DEFAULT_OUT, help="output directory (default: benchmarks/results)")
+    parser.add_argument(
+        "--out", default=DEFAULT_OUT, help="output directory (default: docs/benchmarks/results)"
+    )
     parser.add_argument("--disk", default="/tmp", help="a directory on local disk (default /tmp)")
     parser.add_argument("--tmpfs", default="/dev/shm", help="a directory on tmpfs (default /dev/shm)")
     args = parser.parse_args(argv)

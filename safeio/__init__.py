@@ -1,7 +1,7 @@
 """safeio: replicated checkpoint files written safely to shared filesystems.
 
 One writer, a private stage, one atomic promotion, every rank told the outcome, and never a wait
-without a timeout. See README.md for the why and the layout.
+without a timeout. See README.md for the why, docs/architecture.md for the layout.
 
 Only this module and the public subpackages ``safeio.testing`` and ``safeio.cli`` are API; everything
 else is private and layered, each layer importing only the ones before it:

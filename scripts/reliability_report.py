@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 """Rerun the reliability suite (tests/test_reliability_*.py) at a chosen scale and print the figures
-as the Markdown of the README's "Reliability" section.
+as the Markdown of the tables of docs/reliability.md (the docs site's "Reliability" page).
 
     .venv/bin/python scripts/reliability_report.py --scale 5
 

@@ -24,7 +24,7 @@ def _transformers() -> Any:
         import transformers
     except ImportError as exc:  # pragma: no cover - exercised only without transformers
         raise ImportError(
-            "safeio's Hugging Face integration needs transformers: pip install 'safeio[hf]'"
+            "safeio's Hugging Face integration needs transformers: pip install 'safeio-ckpt[hf]'"
         ) from exc
     return transformers
 

@@ -14,7 +14,7 @@ def _torch() -> Any:
     try:
         import torch
     except ImportError as exc:  # pragma: no cover - exercised only without torch
-        raise ImportError("safeio.torch_save needs torch: pip install 'safeio[torch]'") from exc
+        raise ImportError("safeio.torch_save needs torch: pip install 'safeio-ckpt[torch]'") from exc
     return torch
 
 

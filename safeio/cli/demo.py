@@ -87,7 +87,7 @@ def run(args: argparse.Namespace) -> int:
         name for name in ("torch", "transformers", "tokenizers") if importlib.util.find_spec(name) is None
     ]
     if missing:
-        raise CliError(f"the demo needs {', '.join(missing)}: pip install 'safeio[torch,hf]' tokenizers")
+        raise CliError(f"the demo needs {', '.join(missing)}: pip install 'safeio-ckpt[torch,hf]' tokenizers")
     backend, why = _choose_backend(args.backend)
     say = _Progress()
     started = time.monotonic()

@@ -23,7 +23,7 @@ def _static_reason() -> str | None:
     if ctypes.util.find_library("fuse3") is None:
         return "libfuse3 is not installed (apt-get install fuse3)"
     if importlib.util.find_spec("mfusepy") is None:
-        return "the mfusepy package is not installed (pip install 'safeio[testing]')"
+        return "the mfusepy package is not installed (pip install 'safeio-ckpt[testing]')"
     return None
 
 

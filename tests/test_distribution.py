@@ -70,7 +70,8 @@ def test_the_wheel_installs_into_a_fresh_environment(built: Path, tmp_path: Path
     borrowed = {**env, "PYTHONPATH": sysconfig.get_paths()["purelib"], "SAFEIO_PATCH": "1"}
     probe = (
         "import os, transformers, safeio; print(safeio.__file__); "
-        "print('active' if os.environ.get('SAFEIO_PATCH_ACTIVE') == str(os.getpid()) else 'inactive')"
+        "active = os.environ.get('SAFEIO_PATCH_ACTIVE', '').split(':'); "
+        "print('active' if active[0] == str(os.getpid()) and 'save_pretrained' in active[-1] else 'inactive')"
     )
     patched = _run([str(python), "-c", probe], env=borrowed, cwd=tmp_path).stdout.split()
     assert patched[0].startswith(str(venv)) and patched[-1] == "active", patched

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -81,8 +82,30 @@ def _kill_tree(proc: subprocess.Popen[bytes], out: Path) -> None:
     proc.wait(10)
 
 
-def _run(script: str, out: Path, log: Path, *extra: str) -> tuple[str, float]:
-    """One job to the launcher's exit code 0 within ``BOUND``; its output (every rank's)."""
+# torch's own teardown race, not safeio's (measured: 1 in 31 jobs of the plain example and 1 in 32 of
+# the safeio one under load): the example's last collective, an all_gather, ends about 1 ms before the
+# interpreter exits, and a gloo worker still dropping that work's Python-owned tensors needs the GIL after
+# finalization began: pthread_exit through a noexcept destructor, SIGABRT. A job that dies of exactly that
+# is run again, once; a second time, a hang or any other failure fails the test.
+TEARDOWN_RACE = "terminate called without an active exception"
+
+
+def _run(script: str, out: Path, log: Path, *extra: str, fresh: bool = False) -> tuple[str, float]:
+    """One job to the launcher's exit code 0 within ``BOUND``; its output (every rank's). ``fresh``: a
+    rerun starts from an empty ``out`` (a job that saves)."""
+    output, took, code = _launch(script, out, log, *extra)
+    if code != 0 and TEARDOWN_RACE in output:
+        print(f"{script}: a rank died of the gloo teardown race (exit {code}); running the job again")
+        if fresh:
+            shutil.rmtree(out)
+            out.mkdir()
+        output, took, code = _launch(script, out, log, *extra)
+    assert code == 0, f"{script}: torchrun exited with {code} after {took:.1f} s:\n{output[-6000:]}"
+    assert _naming(os.fspath(out)) == [], "a rank outlived its launcher"
+    return output, took
+
+
+def _launch(script: str, out: Path, log: Path, *extra: str) -> tuple[str, float, int]:
     cmd = [
         os.fspath(TORCHRUN),
         "--standalone",
@@ -109,18 +132,7 @@ def _run(script: str, out: Path, log: Path, *extra: str) -> tuple[str, float]:
                 f"{script} {' '.join(extra)}: the job did not exit within {BOUND:g} s (killed); its ranks "
                 f"said:\n{log.read_text(errors='replace')[-6000:]}"
             )
-    took = time.monotonic() - start
-    output = log.read_text(errors="replace")
-    known = (
-        " (issue 24's teardown race: a gloo worker thread dropping a finished all_gather's tensors needs "
-        "the GIL after the interpreter began finalizing; the hang is the same race with the main thread "
-        "joining that worker)"
-        if "terminate called without an active exception" in output
-        else ""
-    )
-    assert code == 0, f"{script}: torchrun exited with {code} after {took:.1f} s{known}:\n{output[-6000:]}"
-    assert _naming(os.fspath(out)) == [], "a rank outlived its launcher"
-    return output, took
+    return log.read_text(errors="replace"), time.monotonic() - start, code
 
 
 @pytest.fixture(params=["nfslike", "local"])
@@ -135,7 +147,7 @@ def where(request: pytest.FixtureRequest, shared_dir: Path) -> Path:
 def test_the_job_exits_and_resumes(script: str, where: Path, shared_dir: Path) -> None:
     out = where / "out"
     out.mkdir()
-    first, took = _run(script, out, shared_dir / "first.log")
+    first, took = _run(script, out, shared_dir / "first.log", fresh=True)
     assert "epoch 2:" in first, first
     step = out / f"step_{SAVE_EVERY}"
     assert step.is_dir() and (step / "dl_state_dict.bin").is_file(), sorted(os.listdir(out))

@@ -3,17 +3,18 @@
 ``ckpt.commit_after(future)`` hands the end of the save to a background thread: it waits for this
 rank's future (bounded by the timeout), then reports, and on the writer collects every rank's report and
 commits — never at dispatch, so ``latest`` and retention move only once every rank's shards are
-written. The thread is not a daemon: a job that ends without ``ckpts.wait()`` still commits (or fails)
-before the interpreter exits. ``wait()`` joins it, bounded, and raises what it raised.
+written. A job that ends without ``ckpts.wait()`` still commits (or fails) before the process exits: the
+exit waits for the thread, bounded as ``wait()`` is (``safeio._threads``), never for ever. ``wait()``
+joins it, bounded, and raises what it raised.
 """
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Callable
 from typing import Any
 
 from safeio._errors import InvalidOptionError, PeerTimeout
+from safeio._threads import start_background
 
 
 def check_future(future: Any) -> None:
@@ -50,10 +51,9 @@ class PendingCommit:
         self.timeout = timeout
         self.what = what
         self.error: BaseException | None = None
-        self._thread = threading.Thread(
-            target=self._run, args=(future, finish), name=f"safeio-commit {what}", daemon=False
+        self._thread = start_background(
+            lambda: self._run(future, finish), name=f"safeio-commit {what}", bound=self.bound
         )
-        self._thread.start()
 
     def _run(self, future: Any, finish: Callable[[BaseException | None], None]) -> None:
         own: BaseException | None = None
@@ -68,10 +68,14 @@ class PendingCommit:
             return
         self.error = own
 
-    def wait(self) -> None:
+    @property
+    def bound(self) -> float:
         # The thread's own waits are bounded: the future (timeout), the reports (timeout), the outcome
-        # (twice the timeout); this join is their sum and a margin.
-        self._thread.join(4 * self.timeout + 60)
+        # (twice the timeout); this is their sum and a margin.
+        return 4 * self.timeout + 60
+
+    def wait(self) -> None:
+        self._thread.join(self.bound)
         if self._thread.is_alive():
             raise PeerTimeout(f"the commit of {self.what} did not finish within the timeout", self.what)
         if self.error is not None:

@@ -13,11 +13,13 @@ that is alive but stuck keeps being heard; a dead one goes quiet.
 One daemon thread per process serves every watched save (starting a thread per save would cost about
 0.25 ms, half of a whole tokenizer save), and a second one sends the heartbeats (see ``_Monitor``). They
 leave after a minute without work and are started again by the next save (also in a forked child,
-which inherits no threads).
+which inherits no threads). At exit they are told to leave at once and joined, briefly (``_EXIT_BOUND``):
+a heartbeat must not be caught inside a store call while the interpreter tears the process down.
 """
 
 from __future__ import annotations
 
+import atexit
 import logging
 import math
 import os
@@ -39,6 +41,7 @@ MAX_GAP = 600.0
 _STACK_FRAMES = 40
 _IDLE_TICK = 1.0  # while idle the thread wakes this often, so a new save rarely has to wake it
 _IDLE_EXIT = 60.0
+_EXIT_BOUND = 2.0  # at exit, how long each of the two threads may take to leave (a heartbeat in flight)
 
 
 class PhaseSource(Protocol):
@@ -210,9 +213,10 @@ class _Monitor:
         self._thread: threading.Thread | None = None
         self._wake_at = 0.0  # monotonic time the thread will next look at its watches
         self._added = 0  # counts add() calls, so a watch added during a round is not slept past
-        self._beats: queue.SimpleQueue[Watchdog] = queue.SimpleQueue()
+        self._beats: queue.SimpleQueue[Watchdog | None] = queue.SimpleQueue()  # None: leave
         self._pending: set[Watchdog] = set()  # queued or in progress on the heartbeat thread
         self._beater: threading.Thread | None = None
+        self._stopping = False
 
     def add(self, watch: Watchdog) -> None:
         due = time.monotonic() + watch.due()
@@ -242,6 +246,9 @@ class _Monitor:
                     logger.exception("%s: the safeio watchdog failed on %s", who(), watch.source.target_url)
             now = time.monotonic()
             with self._cond:
+                if self._stopping:
+                    self._thread = None
+                    return
                 if self._watches:
                     idle_since = now
                 elif now - idle_since > _IDLE_EXIT:
@@ -277,6 +284,8 @@ class _Monitor:
                         self._beater = None
                         return
                 continue
+            if watch is None:  # stop(): the process is exiting
+                return
             try:
                 watch.beat()
             except Exception:
@@ -287,6 +296,17 @@ class _Monitor:
                     if time.monotonic() + watch.beat_in() < self._wake_at:
                         self._cond.notify()  # the monitor sleeps past this watch's next beat
 
+    def stop(self, bound: float) -> None:
+        """At exit: both threads leave now (no new watch can come: every save has returned), each
+        joined for at most ``bound`` seconds (a heartbeat blocked in the store is left to the exit)."""
+        with self._cond:
+            self._stopping = True
+            self._cond.notify()
+            threads = [t for t in (self._thread, self._beater) if t is not None]
+        self._beats.put(None)
+        for thread in threads:
+            thread.join(bound)
+
     def reset_after_fork(self) -> None:
         self._cond = threading.Condition(threading.Lock())
         self._watches = set()
@@ -295,8 +315,10 @@ class _Monitor:
         self._beats = queue.SimpleQueue()
         self._pending = set()
         self._beater = None
+        self._stopping = False
 
 
 _monitor = _Monitor()
 if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_monitor.reset_after_fork)
+atexit.register(_monitor.stop, _EXIT_BOUND)

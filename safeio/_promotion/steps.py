@@ -21,6 +21,7 @@ from safeio._options import SaveOptions
 from safeio._promotion.base import Promotion
 from safeio._storage.dirfd import is_component
 from safeio._storage.readers import TargetReader
+from safeio._threads import start_background
 from safeio._who import who
 
 logger = logging.getLogger("safeio")
@@ -249,7 +250,7 @@ class StepStorage(ABC):
 
     def delete_later(self, delete: Callable[[], None], what: str) -> None:
         """Run ``delete`` (retired steps, already renamed aside) on a background thread: no rank waits for
-        it. The next save, ``Checkpoints.wait()`` and the interpreter's exit (not a daemon) join it."""
+        it. The next save, ``Checkpoints.wait()`` and the process's exit join it, for the timeout at most."""
         self.join_deletions()
 
         def run() -> None:
@@ -264,8 +265,8 @@ class StepStorage(ABC):
                     self.root_url,
                 )
 
-        self._deleting = threading.Thread(target=run, name=f"safeio-retention {what}", daemon=False)
-        self._deleting.start()
+        # Bounded at exit too (safeio._threads): a deletion stuck on a dead server never holds the process.
+        self._deleting = start_background(run, name=f"safeio-retention {what}", bound=self.options.timeout)
 
     def join_deletions(self) -> None:
         deleting, self._deleting = self._deleting, None

@@ -332,6 +332,16 @@ def test_safeio_ls_lists_committed_partial_and_in_progress(tmp_path: Path) -> No
         with ckpts.save(step) as ckpt:
             Path(ckpt.path, "w.bin").write_bytes(b"x" * 1000)
     (root / "step_3").mkdir()  # a step written without safeio, half done
+    # Written without safeio and complete by their framework's own marker: the HF Trainer's (its state
+    # and weights), torch.distributed.checkpoint's (.metadata, written last).
+    trainer_done = root / "checkpoint-5"
+    trainer_done.mkdir()
+    (trainer_done / "trainer_state.json").write_text('{"global_step": 5}')
+    (trainer_done / "model.safetensors").write_bytes(b"w")
+    (root / "step_6").mkdir()
+    (root / "step_6" / ".metadata").write_bytes(b"m")
+    (root / "step_7").mkdir()
+    Path(ckpts.path_of("step_1"), "w.bin").write_bytes(b"torn")  # a committed step damaged since
     live = ckpts.save(4)
     live.__enter__()  # a save in progress (this process is alive)
     try:
@@ -346,8 +356,11 @@ def test_safeio_ls_lists_committed_partial_and_in_progress(tmp_path: Path) -> No
     assert done.returncode == 0, done.stderr
     report = json.loads(done.stdout)
     states = {row["name"]: row["state"] for row in report["checkpoints"]}
-    assert states["step_1"] == states["step_2"] == "committed"
-    assert states["step_3"] == "partial"
+    assert states["step_2"] == "committed"
+    assert states["step_1"] == "partial"  # a safeio marker whose files no longer match it
+    assert states["step_3"] == states["step_7"] == "written without safeio, incomplete"
+    assert states["checkpoint-5"] == "written without safeio, complete by trainer_state.json"
+    assert states["step_6"] == "written without safeio, complete by torch.distributed.checkpoint's .metadata"
     assert [s for n, s in states.items() if n.startswith(".step_4.safeio-stage")] == ["in progress"]
     assert report["latest"] == "step_2" and report["latest_ok"] is True
     (root / "latest").write_text("step_3")  # a pointer to a partial step: flagged
@@ -355,6 +368,21 @@ def test_safeio_ls_lists_committed_partial_and_in_progress(tmp_path: Path) -> No
         [sys.executable, "-m", "safeio", "ls", str(root)], capture_output=True, text=True, timeout=60
     )
     assert done.returncode == 1 and "not a committed checkpoint" in done.stdout, done.stdout
+    # verify judges what it can check and says what it cannot: the incomplete ones and the damaged step
+    # are problems, the complete ones written without safeio are listed as not checked.
+    done = subprocess.run(
+        [sys.executable, "-m", "safeio", "verify", str(root)], capture_output=True, text=True, timeout=60
+    )
+    problems = [line for line in done.stdout.splitlines() if line.startswith("  step_")]
+    assert done.returncode == 1 and sorted(p.split(":")[0].strip() for p in problems) == [
+        "step_1",
+        "step_3",
+        "step_7",
+    ], done.stdout
+    not_checked = [line for line in done.stdout.splitlines() if line.startswith("  not checked:")]
+    assert len(not_checked) == 2 and "checkpoint-5" in not_checked[0] and "step_6" in not_checked[1], (
+        done.stdout
+    )
 
 
 def _gated_writer(path: str, key: str, fail: bool = False) -> Any:
@@ -491,7 +519,7 @@ def test_verify_and_gc_understand_a_checkpoint_root(tmp_path: Path) -> None:
     assert done.returncode == 1, done.stdout
     report = json.loads(done.stdout)
     assert any(p.startswith("step_1: damaged after its commit") for p in report["problems"]), report
-    assert any(p.startswith("step_3: not committed") for p in report["problems"]), report
+    assert any(p.startswith("step_3: written without safeio, incomplete") for p in report["problems"]), report
     # gc removes the dead writer's stage and nothing else: committed and partial steps stay.
     done = cli("gc", str(root))
     assert done.returncode == 0, done.stdout + done.stderr

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
+import stat
 from typing import Any
 
 from safeio._checkpoints.pointer import read_pointer
@@ -13,6 +15,7 @@ from safeio._promotion.steps import LATEST, StepNames
 from safeio._storage.dirfd import held_directory, walk_files
 from safeio._storage.names import parse
 from safeio.cli._common import EXIT_OK, EXIT_PROBLEMS, existing_directory, human_bytes, print_json
+from safeio.integrations.transformers import TRAINER_STATE, is_complete_by_trainer
 
 PATTERNS = ("step_{step}", "checkpoint-{step}")
 
@@ -22,8 +25,10 @@ def add_parser(commands: Any, epilog: str) -> None:
         "ls",
         help="list the checkpoints under a Checkpoints root (committed, partial, in progress)",
         description="List the step directories under ROOT (a safeio.Checkpoints root): committed (the "
-        "commit marker is there and every file it lists has its size), partial (a step directory "
-        "without a valid marker: never resumed from), and stages of saves in progress or left by "
+        "commit marker is there and every file it lists has its size), partial (a safeio marker whose "
+        "files do not match it: never resumed from), written without safeio (no marker: complete or "
+        "incomplete by its framework's own marker, the HF Trainer's trainer_state.json or DCP's .metadata), "
+        "and stages of saves in progress or left by "
         "crashed writers (`safeio gc` removes those whose owner is gone). Marks the one `latest` "
         "names. A step another user committed in a shared root is shown as theirs (Checkpoints never "
         "resumes from or retires it). Exit 1 when `latest` names something that is not a committed step.",
@@ -72,17 +77,38 @@ def checkpoint_rows(root: str, names: list[StepNames]) -> list[dict[str, Any]]:
 
 
 def step_state(path: str, owner: int) -> str:
-    """ "committed", "partial", or, for a step committed by someone other than the root's owner (in a
-    shared root), whose it is: ``Checkpoints`` never resumes from or retires another user's step."""
+    """ "committed"; for a step committed by someone other than the root's owner (in a shared root), whose
+    it is (``Checkpoints`` never resumes from or retires another user's step); "partial" when a safeio
+    marker is there but the files do not match it; for a directory safeio did not write (no marker at
+    all), whether it is complete by its framework's own marker (``UNMARKED``)."""
     reader = backend_for(path).reader()
     record = reader.committed_marker()
-    if record is None:
+    if record is not None:
+        uid = reader.owner(record)
+        return "committed" if uid == owner else f"{FOREIGN} (uid {uid})"
+    if reader.manifest() is not None:
         return "partial"
-    uid = reader.owner(record)
-    return "committed" if uid == owner else f"{FOREIGN} (uid {uid})"
+    marker = framework_marker(path)
+    return f"{UNMARKED}, complete by {marker}" if marker else f"{UNMARKED}, incomplete"
 
 
 FOREIGN = "another user's"
+UNMARKED = "written without safeio"
+
+
+def framework_marker(path: str) -> str | None:
+    """The framework's own completion marker of a checkpoint directory safeio did not write, when it is
+    there: the HF Trainer's ``trainer_state.json`` (with the weights), or ``torch.distributed.checkpoint``'s
+    ``.metadata`` (written last by its save). None: no marker safeio knows says it is complete."""
+    if is_complete_by_trainer(path):
+        return TRAINER_STATE
+    with contextlib.suppress(OSError), held_directory(path) as fd:
+        if stat.S_ISREG(os.stat(DCP_METADATA, dir_fd=fd, follow_symlinks=False).st_mode):
+            return f"torch.distributed.checkpoint's {DCP_METADATA}"
+    return None
+
+
+DCP_METADATA = ".metadata"
 
 
 def name_patterns(root: str, name: str | None) -> list[StepNames]:

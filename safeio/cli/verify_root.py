@@ -1,9 +1,11 @@
 """``safeio verify ROOT`` on a ``safeio.Checkpoints`` root: every step, and the ``latest`` pointer.
 
 A committed step is checked against its marker like any promoted directory. A directory under a step's
-name that is not committed is a problem (a step damaged after its commit, or written without safeio:
-``latest()`` never resumes from it). ``latest`` must name a committed step. Stages of saves in progress
-are shown, not judged; those of dead writers are what ``safeio gc`` removes.
+name that is not committed is a problem (a step damaged after its commit, or written without safeio and
+incomplete: ``latest()`` never resumes from it), except one written without safeio that its framework's
+own marker says is complete (the Trainer's ``trainer_state.json``, DCP's ``.metadata``): it is listed as
+not checked, since no manifest of its files exists. ``latest`` must name a committed step. Stages of saves
+in progress are shown, not judged; those of dead writers are what ``safeio gc`` removes.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ from typing import Any
 
 from safeio._promotion.backends import backend_for
 from safeio.cli._common import EXIT_OK, EXIT_PROBLEMS, print_json
-from safeio.cli.ls import FOREIGN, checkpoint_rows, latest_pointer, name_patterns
+from safeio.cli.ls import FOREIGN, UNMARKED, checkpoint_rows, latest_pointer, name_patterns
 
 
 def verify_root(root: str, args: argparse.Namespace) -> int:
@@ -23,6 +25,13 @@ def verify_root(root: str, args: argparse.Namespace) -> int:
     for row in rows:
         if row["step"] is None or row["state"].startswith(FOREIGN):
             continue  # shown below, not judged: a stage in progress, another user's step
+        if row["state"].startswith(UNMARKED):
+            if "incomplete" in row["state"]:
+                problems.append(
+                    f"{row['name']}: {row['state']} (no safeio marker, and no framework marker safeio knows "
+                    "says it is complete); latest() never resumes from it"
+                )
+            continue  # complete by its framework's marker: shown below as not checked
         reader = backend_for(os.path.join(root, row["name"])).reader()
         found = reader.verify(check_hashes=not args.no_hashes)
         row["problems"] = found
@@ -53,4 +62,9 @@ def verify_root(root: str, args: argparse.Namespace) -> int:
         for row in rows:
             if row["step"] is None or row["state"].startswith(FOREIGN):
                 print(f"  note: {row['name']}: {row['state']}")
+            elif row["state"].startswith(UNMARKED) and "incomplete" not in row["state"]:
+                print(
+                    f"  not checked: {row['name']}: {row['state']}; safeio has no manifest of its files, "
+                    "so their sizes and contents were not checked"
+                )
     return EXIT_OK if not problems else EXIT_PROBLEMS

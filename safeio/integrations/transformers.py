@@ -57,14 +57,14 @@ def get_last_checkpoint(folder: str | os.PathLike[str]) -> str | None:
     """``transformers.trainer_utils.get_last_checkpoint`` that returns only a committed checkpoint (its
     marker present, every listed file at its size), the most recent commit (after a rollback, not the
     highest number): a half-written ``checkpoint-N`` is never resumed. A ``checkpoint-N`` the Trainer
-    wrote without safeio is not ignored: a complete one (``_complete_by_trainer``) with a higher step
+    wrote without safeio is not ignored: a complete one (``is_complete_by_trainer``) with a higher step
     than the latest commit is returned, with a WARNING; incomplete ones above it are skipped, each with
     a WARNING naming it.
     Each process reads the directory itself; inside a job prefer ``train(resume_from_checkpoint=True)``
     with the mixin, where every rank gets the writer's answer."""
     # A group of this process alone: latest() is then this process's own reading of the root.
     ckpts = Checkpoints(folder, keep=None, name=PREFIX, group=Group())
-    found = ckpts.latest(unmarked=_complete_by_trainer)
+    found = ckpts.latest(unmarked=is_complete_by_trainer)
     return os.path.join(os.fspath(folder), os.path.basename(found.path)) if found is not None else None
 
 
@@ -83,7 +83,7 @@ _WEIGHTS = (
 _WEIGHT_DIRS = ("pytorch_model_fsdp", "global_step")
 
 
-def _complete_by_trainer(path: str) -> bool:
+def is_complete_by_trainer(path: str) -> bool:
     """Whether a ``checkpoint-N`` written without safeio is one the Trainer finished: its own marker,
     ``trainer_state.json`` (written after the model, optimizer and RNG states), is there and parses,
     and so are the model's weights. Read as untrusted input (the share is; ``metadata.read_json``)."""
@@ -132,7 +132,7 @@ def _checkpoints_of(trainer: Any, run_dir: str | None = None) -> Checkpoints:
 def _resume_path(trainer: Any) -> str:
     """``train(resume_from_checkpoint=True)``: the most recent committed checkpoint (or a newer complete
     one written without safeio, with a WARNING), the same on every rank (collective)."""
-    found = _checkpoints_of(trainer).latest(unmarked=_complete_by_trainer)
+    found = _checkpoints_of(trainer).latest(unmarked=is_complete_by_trainer)
     if found is None:
         # transformers raises ValueError here; InvalidTargetError is one, and a SafeIOError
         raise InvalidTargetError(

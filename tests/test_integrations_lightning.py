@@ -128,8 +128,12 @@ def test_a_kill_during_a_save_leaves_the_previous_checkpoint_to_resume(tmp_path:
     names = sorted(os.listdir(root))
     assert "epoch=0-step=3.ckpt" not in names  # never a torn file under the final name
     assert os.readlink(os.path.join(root, "last.ckpt")) == "epoch=0-step=2.ckpt"
+    left = [n for n in names if n.startswith(".epoch=0-step=3.ckpt.safeio-tmp-")]
+    assert len(left) == 1, names  # the killed save's temporary file
     resumed = run_ranks(_fit, 1, root, 4, True, None, False, timeout=240)
     assert resumed[0].value["started_at"] == 2 and resumed[0].value["step"] == 4
+    # The next save in that directory (of another checkpoint) removed it: its writer is gone.
+    assert [n for n in os.listdir(root) if ".safeio-" in n] == []
 
 
 @pytest.mark.parametrize(("first", "then"), [("plain", "safe"), ("safe", "plain"), ("plain", "plain")])

@@ -19,6 +19,7 @@ from typing import IO, Any
 from safeio._boundary import attach_cleanup_error, mapped, os_failure
 from safeio._errors import InvalidTargetError, SafeIOError, TargetExistsError
 from safeio._promotion.base import PhaseHook, Promoted
+from safeio._promotion.leftovers import remove_dead_temporaries
 from safeio._storage import claims
 from safeio._storage.dirfd import lstat_at
 from safeio._storage.location import Location
@@ -115,6 +116,7 @@ class AtomicFile(FilePromotion):
             if isinstance(exc, OSError):
                 raise os_failure(f"cannot create a temporary file for {target}", target, exc) from exc
             raise
+        remove_dead_temporaries(parent, self._parent_fd, own=self._name)
         return os.path.join(parent, self._name)
 
     def open_file(self, mode: str, encoding: str | None = None, newline: str | None = None) -> IO[Any]:

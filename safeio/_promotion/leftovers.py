@@ -106,8 +106,10 @@ def recover_directory(
     dry_run: bool = False,
     durable: bool = True,
     keep_going: bool = False,
+    kinds: frozenset[str] | None = None,
 ) -> list[Action]:
-    """Recover every stale safeio sibling in ``parent`` (only ``target_name``'s, if given).
+    """Recover every stale safeio sibling in ``parent`` (only ``target_name``'s, if given; only siblings
+    of ``kinds``, if given, and then no version directory is pruned).
 
     ``parent_fd``, if given, is ``parent`` held open; otherwise ``parent`` is opened here. A leftover
     that cannot be recovered (a link planted where its roll-forward needs a directory, say) raises, or
@@ -125,6 +127,7 @@ def recover_directory(
                     dry_run=dry_run,
                     durable=durable,
                     keep_going=keep_going,
+                    kinds=kinds,
                 )
         except FileNotFoundError:
             return []
@@ -134,6 +137,8 @@ def recover_directory(
     siblings = [s for s in candidates if s is not None and s.kind != "v"]
     if target_name is not None:
         siblings = [s for s in siblings if s.belongs_to(target_name)]
+    if kinds is not None:
+        siblings = [s for s in siblings if s.kind in kinds]
     siblings.sort(key=lambda s: _ORDER.get(s.kind, 2))
     actions: list[Action] = []
     for sibling in siblings:
@@ -150,9 +155,32 @@ def recover_directory(
             if not keep_going:
                 raise
             actions.append(Action("failed", leftover.path, str(exc)))
-    for versioned in versioned_targets(parent_fd, target_name, listing):
-        actions.extend(prune(parent, parent_fd, versioned, dry_run=dry_run, now=now))
+    if kinds is None:
+        for versioned in versioned_targets(parent_fd, target_name, listing):
+            actions.extend(prune(parent, parent_fd, versioned, dry_run=dry_run, now=now))
     return actions
+
+
+TEMPORARY_MARK = ".safeio-tmp-"
+_swept: set[tuple[int, int]] = set()  # (device, inode) of the directories this process has swept
+
+
+def remove_dead_temporaries(parent: str, parent_fd: int, own: str) -> None:
+    """A file save's step, at this process's first file save in a directory: the temporary files of file
+    saves whose writer is gone, of any target (a save killed while writing step 3's checkpoint leaves its
+    temporary file beside the restarted job's save of step 4's), removed by ``safeio gc``'s judgement
+    (owner, liveness). Once per directory and process: a listing costs with the directory's size, and a
+    save killed later, in another process, is the next process's first save's (or ``gc``'s) to remove.
+    Housekeeping: a leftover that cannot be removed is logged, never a failure of the save."""
+    st = os.fstat(parent_fd)
+    if (st.st_dev, st.st_ino) in _swept:
+        return
+    _swept.add((st.st_dev, st.st_ino))
+    if not any(TEMPORARY_MARK in name and name != own for name in os.listdir(parent_fd)):
+        return
+    for action in recover_directory(parent, parent_fd=parent_fd, kinds=frozenset({"tmp"}), keep_going=True):
+        if action.verb == "failed":
+            logger.warning("%s: could not remove %s: %s", who(), action.path, action.reason)
 
 
 def recover_target(parent: str, parent_fd: int, target_name: str, durable: bool, own_stage: str) -> None:

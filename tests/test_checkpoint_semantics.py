@@ -176,19 +176,26 @@ def test_a_retention_failure_after_the_commit_is_a_warning_and_the_next_save_ret
 
 OTHER_UID = 4242
 
-_FOREIGN_SAVE = textwrap.dedent(
-    """
-    import sys
-    from pathlib import Path
-    import safeio
-    # lock=False: this user cannot open the lock file of the root's owner for writing (and needs none:
-    # nobody else saves here meanwhile)
-    ckpts = safeio.Checkpoints(sys.argv[1], keep=None, timeout=60, lock=False)
-    for step in map(int, sys.argv[2:]):
-        with ckpts.save(step) as ckpt:
-            Path(ckpt.path, "weights.bin").write_bytes(b"theirs")
-    """
-)
+
+def _save_as_another_user(root: str, steps: tuple[int, ...]) -> None:
+    """In a forked child: become OTHER_UID (no groups) and commit ``steps`` under ``root``. A fork, not a
+    new interpreter: that user may not be able to reach the checkout safeio is imported from."""
+    import traceback
+
+    try:
+        os.setgroups([])
+        os.setgid(OTHER_UID)
+        os.setuid(OTHER_UID)
+        # lock=False: this user cannot open the lock file of the root's owner for writing (and needs
+        # none: nobody else saves here meanwhile)
+        ckpts = safeio.Checkpoints(root, keep=None, timeout=60, lock=False)
+        for step in steps:
+            with ckpts.save(step) as ckpt:
+                Path(ckpt.path, "weights.bin").write_bytes(b"theirs")
+    except BaseException:
+        traceback.print_exc()
+        os._exit(1)
+    os._exit(0)
 
 
 def test_another_users_steps_in_a_shared_root_are_never_chosen_nor_retired(shared_dir: Path) -> None:
@@ -200,17 +207,12 @@ def test_another_users_steps_in_a_shared_root_are_never_chosen_nor_retired(share
     path = str(shared / "run")
     os.mkdir(path)
     os.chmod(path, 0o1777)
-    theirs = subprocess.run(
-        [
-            *("setpriv", f"--reuid={OTHER_UID}", f"--regid={OTHER_UID}", "--clear-groups"),
-            *(sys.executable, "-c", _FOREIGN_SAVE, path, "50", "60"),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        env={**os.environ, "PYTHONPATH": str(Path(safeio.__file__).parent.parent)},
-    )
-    assert theirs.returncode == 0, theirs.stderr
+    import multiprocessing
+
+    theirs = multiprocessing.get_context("fork").Process(target=_save_as_another_user, args=(path, (50, 60)))
+    theirs.start()
+    theirs.join(120)
+    assert theirs.exitcode == 0, theirs.exitcode
     assert {(shared / "run" / f"step_{s}").stat().st_uid for s in (50, 60)} == {OTHER_UID}
     actions = [("save", s, 2) for s in (1, 2, 3)] + [("latest",), ("steps",)]
     *_, latest, steps = _on_every_rank(run_ranks(_job, 2, path, actions, timeout=300))

@@ -496,6 +496,36 @@ def test_hang_until_released(nfslike_mount: Mount) -> None:
     assert child.finish() == 0
 
 
+@pytest.mark.fuse_opts(hang="*.ckpt", hang_after_bytes=4096)
+def test_hang_after_bytes_leaves_the_file_torn_and_names_the_writer(nfslike_mount: Mount) -> None:
+    """Only a write that starts 4 KiB or more into a matching file hangs: the process is held in the
+    middle of its bytes, and ``hung()`` names it (a test kills it there). Moving the hang to another
+    pattern lets it go."""
+    (nfslike_mount.path / "other.txt").write_bytes(b"z" * 10000)  # not matching: never held
+    child = Child(
+        """
+        import os, sys
+        fd = os.open(sys.argv[1], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        os.write(fd, b"x" * 4096)
+        print("4096", flush=True)
+        os.write(fd, b"y" * 4096)
+        print("8192", flush=True)
+        """,
+        str(nfslike_mount.path / "model.ckpt"),
+    )
+    assert child.expect() == 4096
+    deadline = time.monotonic() + 10
+    while not (held := nfslike_mount.hung()):
+        assert time.monotonic() < deadline, "the second write never reached the mount"
+        time.sleep(0.02)  # a bounded poll: the daemon has nothing to block on for us
+    assert held == [{"pid": child.pid, "path": "/model.ckpt"}]
+    assert (nfslike_mount.backing / "model.ckpt").stat().st_size == 4096  # torn under its name
+    nfslike_mount.set_faults(hang="*.other")  # a new pattern lets what the old one held go
+    assert child.expect() == 8192
+    assert child.finish() == 0
+    assert nfslike_mount.hung() == []
+
+
 @pytest.mark.fuse_opts(hang="*.slow", hang_timeout=0.5)
 def test_hang_times_out_with_eio(nfslike_mount: Mount) -> None:
     (nfslike_mount.backing / "x.slow").write_text("x")

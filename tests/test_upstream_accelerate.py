@@ -11,75 +11,23 @@ leaves the ranks running) and the test fails with the ranks' output.
 
 from __future__ import annotations
 
-import contextlib
 import os
 import shutil
-import signal
-import subprocess
-import sys
-import time
 from pathlib import Path
 
 import pytest
 
 import safeio
 from safeio.testing.nfslike import Mount
+from tests._launcher import launch, naming, torchrun
 
 pytest.importorskip("accelerate")
 pytest.importorskip("datasets")
 pytest.importorskip("torchdata")
 
 UPSTREAM = Path(__file__).parent / "upstream" / "accelerate"
-TORCHRUN = Path(sys.executable).with_name("torchrun")
 BOUND = 120.0  # a run takes about 6 s here; a hung teardown never ends by itself
 SAVE_EVERY = 5  # 2 ranks, 2 batches per epoch, 3 epochs: step_5 is saved one batch into epoch 2
-
-
-def _children() -> dict[int, list[int]]:
-    tree: dict[int, list[int]] = {}
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat", encoding="utf-8") as f:
-                stat = f.read()
-        except OSError:
-            continue
-        ppid = int(stat.rsplit(")", 1)[1].split()[1])
-        tree.setdefault(ppid, []).append(int(entry))
-    return tree
-
-
-def _descendants(pid: int) -> list[int]:
-    tree, found, todo = _children(), [], [pid]
-    while todo:
-        for child in tree.get(todo.pop(), []):
-            found.append(child)
-            todo.append(child)
-    return found
-
-
-def _naming(text: str) -> list[int]:
-    """Processes whose command line names ``text`` (this job's output directory)."""
-    found = []
-    for entry in os.listdir("/proc"):
-        if entry.isdigit() and int(entry) != os.getpid():
-            try:
-                with open(f"/proc/{entry}/cmdline", "rb") as f:
-                    if text.encode() in f.read():
-                        found.append(int(entry))
-            except OSError:
-                continue
-    return found
-
-
-def _kill_tree(proc: subprocess.Popen[bytes], out: Path) -> None:
-    """The launcher and every rank: the ranks are in sessions of their own (torchrun's start_new_session)."""
-    pids = {proc.pid, *_descendants(proc.pid), *_naming(os.fspath(out))}
-    for pid in pids:
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(pid, signal.SIGKILL)
-    proc.wait(10)
 
 
 # torch's own teardown race, not safeio's (measured: 1 in 31 jobs of the plain example and 1 in 32 of
@@ -101,17 +49,13 @@ def _run(script: str, out: Path, log: Path, *extra: str, fresh: bool = False) ->
             out.mkdir()
         output, took, code = _launch(script, out, log, *extra)
     assert code == 0, f"{script}: torchrun exited with {code} after {took:.1f} s:\n{output[-6000:]}"
-    assert _naming(os.fspath(out)) == [], "a rank outlived its launcher"
+    assert naming(os.fspath(out)) == [], "a rank outlived its launcher"
     return output, took
 
 
 def _launch(script: str, out: Path, log: Path, *extra: str) -> tuple[str, float, int]:
-    cmd = [
-        os.fspath(TORCHRUN),
-        "--standalone",
-        "--nproc_per_node",
-        "2",
-        os.fspath(UPSTREAM / script),
+    cmd = torchrun(
+        UPSTREAM / script,
         "--cpu",
         "--use_stateful_dataloader",
         "--checkpointing_steps",
@@ -119,20 +63,8 @@ def _launch(script: str, out: Path, log: Path, *extra: str) -> tuple[str, float,
         "--output_dir",
         os.fspath(out),
         *extra,
-    ]
-    env = dict(os.environ, HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", OMP_NUM_THREADS="1")
-    start = time.monotonic()
-    with open(log, "wb") as sink:
-        proc = subprocess.Popen(cmd, stdout=sink, stderr=subprocess.STDOUT, env=env, start_new_session=True)
-        try:
-            code = proc.wait(BOUND)
-        except subprocess.TimeoutExpired:
-            _kill_tree(proc, out)
-            pytest.fail(
-                f"{script} {' '.join(extra)}: the job did not exit within {BOUND:g} s (killed); its ranks "
-                f"said:\n{log.read_text(errors='replace')[-6000:]}"
-            )
-    return log.read_text(errors="replace"), time.monotonic() - start, code
+    )
+    return launch(cmd, out, log, BOUND, f"{script} {' '.join(extra)}")
 
 
 @pytest.fixture(params=["nfslike", "local"])

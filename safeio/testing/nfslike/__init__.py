@@ -7,7 +7,8 @@ switchable, the NFS client behaviours that break checkpoint code.
   directory are two clients that see each other's changes late;
 - silly rename (`silly_rename`): removing an open file renames it to `.nfsXXXX` until closed;
 - renameat2 flags are refused with EINVAL, as the NFS client does;
-- faults: `enospc_after`, `eio_on_fsync`, `latency`, `hang` / `hang_timeout`;
+- faults: `enospc_after`, `eio_on_fsync`, `latency`, `hang` / `hang_timeout` / `hang_after_bytes`
+  (`Mount.hung()` names the processes held);
 - operation counters per client process.
 
 The daemon runs as a separate process (`python -m safeio.testing.nfslike --help`); this module does

@@ -77,6 +77,7 @@ class NfsLikeFS(mfusepy.Operations):  # type: ignore[misc]  # mfusepy is untyped
             latency=options.latency,
             hang=options.hang,
             hang_timeout=options.hang_timeout,
+            hang_after_bytes=options.hang_after_bytes,
         )
         self.interlock = (
             Interlock(self.handles, options.hazard_timeout, state.append_hazard)
@@ -126,7 +127,7 @@ class NfsLikeFS(mfusepy.Operations):  # type: ignore[misc]  # mfusepy is untyped
 
     def _enter(self, *paths: str | None) -> None:
         """Start of every user-visible operation: faults (latency, hang) apply here."""
-        self.faults.enter(*paths)
+        self.faults.enter(*paths, caller=self._pid)
 
     def _pid(self) -> int:
         return self.counters.process_of(mfusepy.fuse_get_context()[2])
@@ -384,7 +385,7 @@ class NfsLikeFS(mfusepy.Operations):  # type: ignore[misc]  # mfusepy is untyped
         return data
 
     def write(self, path: str | None, data: bytes, offset: int, fh: int) -> int:
-        self._enter(*self._paths(path, fh))
+        self.faults.enter(*self._paths(path, fh), write_offset=offset, caller=self._pid)
         pid = self._pid()
         self._count(pid, "write")
         self._before_io(fh, pid, "write", path)
@@ -464,7 +465,17 @@ class NfsLikeFS(mfusepy.Operations):  # type: ignore[misc]  # mfusepy is untyped
         def faults(settings: dict[str, Any]) -> None:
             self.faults.update(settings)
 
+        def hung(_: dict[str, Any]) -> list[dict[str, Any]]:
+            return self.faults.hung()
+
         def ping(_: dict[str, Any]) -> dict[str, Any]:
             return {"pid": os.getpid(), "root": self.root}
 
-        return {"ops": ops, "reset_ops": reset_ops, "release": release, "faults": faults, "ping": ping}
+        return {
+            "ops": ops,
+            "reset_ops": reset_ops,
+            "release": release,
+            "faults": faults,
+            "hung": hung,
+            "ping": ping,
+        }

@@ -284,9 +284,15 @@ class Mount:
         """Let operations hung by the `hang` fault proceed, and stop hanging new ones."""
         self._request("release")
 
+    def hung(self) -> list[dict[str, Any]]:
+        """The operations the `hang` fault holds now: dicts with the calling process's pid and the
+        mount-relative path (a test waits for this, then kills that process mid-operation)."""
+        return list(self._request("hung"))
+
     def set_faults(self, **faults: Any) -> None:
         """Change faults while mounted: enospc_after (restarts the budget), eio_on_fsync, latency,
-        hang (re-armed until the next `release()`), hang_timeout."""
+        hang (re-armed until the next `release()`), hang_timeout, hang_after_bytes (with hang: only
+        writes that start that far or further into a matching file hang)."""
         unknown = set(faults) - set(FAULT_NAMES)
         if unknown:
             raise TypeError(f"unknown nfslike faults {sorted(unknown)}; known: {list(FAULT_NAMES)}")

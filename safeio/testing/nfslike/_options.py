@@ -57,6 +57,9 @@ class Options:
         None, "operations on paths matching this glob block until released (Mount.release())", str
     )
     hang_timeout: float | None = _opt(None, "a hung operation fails with EIO after this many seconds", float)
+    hang_after_bytes: int | None = _opt(
+        None, "with hang: only writes starting this many bytes or more into a file hang", int
+    )
     allow_other: bool | None = _opt(None, "let other users use the mount (default: when permitted)", bool)
     default_permissions: bool = _opt(True, "let the kernel enforce file modes, as an NFS server does", bool)
     auto_unmount: bool = _opt(True, "unmount when the daemon dies (fusermount3 --auto-unmount)", bool)
@@ -68,8 +71,10 @@ class Options:
                 raise ValueError(f"nfslike option {name} must be >= 0, got {value!r}")
         if self.latency < 0:
             raise ValueError(f"nfslike option latency must be >= 0, got {self.latency!r}")
-        if self.enospc_after is not None and self.enospc_after < 0:
-            raise ValueError(f"nfslike option enospc_after must be >= 0, got {self.enospc_after!r}")
+        for name in ("enospc_after", "hang_after_bytes"):
+            value = getattr(self, name)
+            if value is not None and value < 0:
+                raise ValueError(f"nfslike option {name} must be >= 0, got {value!r}")
 
     @property
     def use_direct_io(self) -> bool:

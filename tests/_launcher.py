@@ -1,0 +1,99 @@
+"""Jobs run the way their users launch them (``torchrun --standalone``), to the launcher's exit code,
+bounded: on a timeout the whole tree goes and the test fails with the ranks' output.
+
+torchrun starts each rank in a session of its own, so killing the launcher's process group leaves the
+ranks running: the tree is found through /proc (parents, and command lines naming the job's directory).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+import pytest
+
+TORCHRUN = Path(sys.executable).with_name("torchrun")
+
+
+def _children() -> dict[int, list[int]]:
+    tree: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat", encoding="utf-8") as f:
+                stat = f.read()
+        except OSError:
+            continue
+        ppid = int(stat.rsplit(")", 1)[1].split()[1])
+        tree.setdefault(ppid, []).append(int(entry))
+    return tree
+
+
+def descendants(pid: int) -> list[int]:
+    tree, found, todo = _children(), [], [pid]
+    while todo:
+        for child in tree.get(todo.pop(), []):
+            found.append(child)
+            todo.append(child)
+    return found
+
+
+def naming(text: str) -> list[int]:
+    """Processes whose command line names ``text`` (a job's output directory)."""
+    found = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit() and int(entry) != os.getpid():
+            try:
+                with open(f"/proc/{entry}/cmdline", "rb") as f:
+                    if text.encode() in f.read():
+                        found.append(int(entry))
+            except OSError:
+                continue
+    return found
+
+
+def kill_tree(proc: subprocess.Popen[bytes], out: Path) -> None:
+    """The launcher and every rank: the ranks are in sessions of their own (torchrun's start_new_session)."""
+    pids = {proc.pid, *descendants(proc.pid), *naming(os.fspath(out))}
+    for pid in pids:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+    proc.wait(10)
+
+
+def torchrun(script: Path, *args: str, nproc: int = 2) -> list[str]:
+    return [os.fspath(TORCHRUN), "--standalone", "--nproc_per_node", str(nproc), os.fspath(script), *args]
+
+
+def start(cmd: Sequence[str], log: Path) -> subprocess.Popen[bytes]:
+    """The job, its output (every rank's) into ``log``; one thread per rank (two cores, two ranks)."""
+    env = dict(os.environ, HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", OMP_NUM_THREADS="1")
+    with open(log, "wb") as sink:
+        return subprocess.Popen(cmd, stdout=sink, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+
+
+def finish(proc: subprocess.Popen[bytes], out: Path, log: Path, bound: float, what: str) -> int:
+    """The launcher's exit code within ``bound`` seconds; on a timeout the tree is killed and the test
+    fails with the ranks' output."""
+    try:
+        return proc.wait(bound)
+    except subprocess.TimeoutExpired:
+        kill_tree(proc, out)
+        pytest.fail(
+            f"{what}: the job did not exit within {bound:g} s (killed); its ranks "
+            f"said:\n{log.read_text(errors='replace')[-6000:]}"
+        )
+
+
+def launch(cmd: Sequence[str], out: Path, log: Path, bound: float, what: str) -> tuple[str, float, int]:
+    """One job to its launcher's exit: its output, how long it took, its exit code."""
+    began = time.monotonic()
+    code = finish(start(cmd, log), out, log, bound, what)
+    return log.read_text(errors="replace"), time.monotonic() - began, code

@@ -89,6 +89,10 @@ def _fit(
     )
     data = DataLoader(TensorDataset(torch.ones(64, 4)), batch_size=2)
     trainer.fit(model, data, ckpt_path="last" if resume else None)
+    # With AsyncCheckpointIO the last save may still be in flight when a rank that writes nothing returns
+    # from fit: rank 0's teardown waits for it, so the ranks meet after that before reading (without this
+    # rank 1 met a last.ckpt naming a file not written yet, under load; Lightning's own link is the same).
+    trainer.strategy.barrier()
     last = os.path.join(root, "last.ckpt")
     saved = torch.load(last, weights_only=False)  # every rank loads what rank 0 saved for it
     same = all(torch.equal(saved["state_dict"][k], v) for k, v in model.state_dict().items())

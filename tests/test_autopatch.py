@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -117,11 +118,17 @@ def test_safeio_patch_makes_an_unmodified_trainer_resume_from_a_committed_checkp
     assert "model.safetensors" in os.listdir(plain / "checkpoint-4")
     assert "trainer_state.json" not in os.listdir(plain / "checkpoint-4")
     assert [n for n in _entries(patched) if not n.startswith(".")] == ["checkpoint-2"]
+    # The plain run's directory again, restarted with SAFEIO_PATCH=1 (a copy: the plain resume reads it).
+    converted = nfslike_mount.path / "converted"
+    shutil.copytree(plain, converted, symlinks=True)
     resumed = [
         _torchrun(plain, tmp_path / "plain-resumed", None, "--resume", "last"),  # run_clm's way
         _torchrun(patched, tmp_path / "patched-resumed", "1", "--resume", "true"),
+        _torchrun(converted, tmp_path / "converted-resumed", "1", "--resume", "true"),
     ]
-    (plain_code, plain_err), (patched_code, patched_err) = map(_finished, resumed)
+    (plain_code, plain_err), (patched_code, patched_err), (converted_code, converted_err) = map(
+        _finished, resumed
+    )
     # The failure: transformers' get_last_checkpoint takes checkpoint-4 and every rank crashes on it.
     assert plain_code != 0, plain_err[-3000:]
     assert "No such file or directory" in plain_err and "checkpoint-4/trainer_state.json" in plain_err
@@ -137,6 +144,23 @@ def test_safeio_patch_makes_an_unmodified_trainer_resume_from_a_committed_checkp
     import safeio
 
     assert safeio.verify(patched / "checkpoint-6") == [] and safeio.verify(patched / "checkpoint-4") == []
+    # Over the plain run's checkpoints: resumed from its complete checkpoint-2 (WARNING), and its save of
+    # step 4 moved the plain run's unfinished checkpoint-4 aside, kept as it was (before: the save of
+    # step 4 raised InvalidTargetError naming it and the job failed).
+    assert converted_code == 0, converted_err[-3000:]
+    assert f"resuming from {converted}/checkpoint-2, which safeio did not commit" in converted_err
+    aside = [n for n in os.listdir(converted) if n.startswith("incomplete-checkpoint-4.")]
+    assert len(aside) == 1, os.listdir(converted)
+    assert f"{converted}/checkpoint-4 was written without safeio" in converted_err
+    assert f"moved aside to {converted}/{aside[0]}" in converted_err
+    assert sorted(os.listdir(converted / aside[0])) == sorted(os.listdir(plain / "checkpoint-4"))
+    # Retention retires committed steps only: the plain run's checkpoint-2 stays (never deleted by safeio).
+    assert [n for n in _entries(converted) if n.startswith("checkpoint-")] == [
+        "checkpoint-2",
+        "checkpoint-4",
+        "checkpoint-6",
+    ]
+    assert safeio.verify(converted / "checkpoint-4") == [] and safeio.verify(converted / "checkpoint-6") == []
 
 
 _PARTS_PROBE = """

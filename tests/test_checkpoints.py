@@ -263,6 +263,49 @@ def test_retention_keeps_the_newest_and_never_an_uncommitted_step(tmp_path: Path
     assert ckpts.steps() == [20, 30]
 
 
+def _done(path: str) -> bool:
+    """A framework's own completion marker (as the Trainer's trainer_state.json is)."""
+    return os.path.exists(os.path.join(path, "done"))
+
+
+def test_a_save_moves_aside_only_this_users_unfinished_step_written_without_safeio(
+    shared_dir: Path, caplog: Any
+) -> None:
+    root = shared_dir / "ckpts"
+    ckpts = safeio.Checkpoints(root, keep=None, name="checkpoint-{step}")
+    for step, files in [(5, ["weights.bin"]), (6, ["weights.bin", "done"]), (7, ["weights.bin"])]:
+        (root / f"checkpoint-{step}").mkdir(parents=True)  # written without safeio
+        for name in files:
+            (root / f"checkpoint-{step}" / name).write_bytes(b"plain")
+    foreign = root / "checkpoint-8"
+    foreign.mkdir()
+    (foreign / "weights.bin").write_bytes(b"another user's")
+    for path in (foreign, foreign / "weights.bin"):
+        os.lchown(path, 4242, 4242)
+    with ckpts.save(9) as ckpt:
+        Path(ckpt.path, "weights.bin").write_bytes(b"safeio's")
+    (root / "checkpoint-9" / "weights.bin").unlink()  # a commit damaged afterwards: safeio's marker stays
+    caplog.set_level("WARNING", logger="safeio")
+    # Unfinished by the framework's marker, this user's, no safeio marker: moved aside, kept, committed.
+    with ckpts.save(5, unmarked=_done) as ckpt:
+        Path(ckpt.path, "weights.bin").write_bytes(b"new")
+    aside = [n for n in os.listdir(root) if n.startswith("incomplete-checkpoint-5.")]
+    assert len(aside) == 1 and (root / aside[0] / "weights.bin").read_bytes() == b"plain", os.listdir(root)
+    assert f"{root}/checkpoint-5 was written without safeio" in caplog.text
+    assert f"moved aside to {root}/{aside[0]}" in caplog.text
+    assert safeio.verify(root / "checkpoint-5") == [] and ckpts.committed() == [(5, "checkpoint-5")]
+    # Complete by its marker, no judgement given, another user's, a damaged commit: refused, untouched.
+    for step, judge in [(6, _done), (7, None), (8, _done), (9, _done)]:
+        before = sorted(os.listdir(root / f"checkpoint-{step}"))
+        with (
+            pytest.raises(safeio.InvalidTargetError, match=f"checkpoint-{step} exists"),
+            ckpts.save(step, unmarked=judge),
+        ):
+            pass
+        assert sorted(os.listdir(root / f"checkpoint-{step}")) == before
+    assert len([n for n in os.listdir(root) if n.startswith("incomplete-")]) == 1
+
+
 def test_write_pointer_replaces_atomically(tmp_path: Path) -> None:
     pointer = tmp_path / "latest"
     safeio.write_pointer(pointer, "global_step100")

@@ -113,11 +113,24 @@ class Checkpoints:
     def group(self) -> Group:
         return resolve_group(self._group_arg)
 
-    def save(self, step: int, *, protect: Iterable[str] = ()) -> CheckpointSave:
+    def save(
+        self,
+        step: int,
+        *,
+        protect: Iterable[str] = (),
+        unmarked: Callable[[str], bool] | None = None,
+    ) -> CheckpointSave:
         """``with ckpts.save(step) as ckpt`` on every rank. Retention after this commit never removes a
-        checkpoint named in ``protect`` (directory names or paths: e.g. a Trainer's best model)."""
+        checkpoint named in ``protect`` (directory names or paths: e.g. a Trainer's best model).
+
+        ``unmarked``: the framework's judgement ``latest(unmarked=...)`` takes. A directory written
+        without safeio that stands at this step's name (a killed save of the step from before safeio)
+        and is incomplete by it is moved aside to ``incomplete-<name>.<UTC time>`` beside it, kept, with
+        a WARNING naming both paths, and the step is committed. Without it, or for a complete one,
+        another user's, or one with a safeio marker, the save raises ``InvalidTargetError`` naming it
+        (safeio never deletes or replaces what it did not write). Object stores always refuse."""
         protected = [os.path.basename(os.fspath(p).rstrip("/")) for p in protect]
-        return CheckpointSave(self, check_step(step, self.root), protected)
+        return CheckpointSave(self, check_step(step, self.root), protected, unmarked)
 
     def wait(self) -> None:
         """Wait for the commit of an async save (``ckpt.commit_after``); raise if it failed. Every rank
@@ -187,8 +200,10 @@ class Checkpoints:
                 )
                 return [(step, name)]
             logger.warning(
-                "%s: skipping %s: written without safeio and incomplete by its framework's own marker; "
-                "move it away (safeio never deletes what it did not write, so a save of step %d there fails)",
+                "%s: skipping %s: written without safeio and incomplete by its framework's own marker; a "
+                "save of step %d given the same judgement (save(unmarked=...), as the Trainer's is) moves it "
+                "aside and keeps it; any other save of that step fails until it is moved away (safeio never "
+                "deletes what it did not write)",
                 who(self.group().rank),
                 path,
                 step,
@@ -287,10 +302,17 @@ class Checkpoints:
 class CheckpointSave:
     """``with ckpts.save(step) as ckpt``: see the module's docstring."""
 
-    def __init__(self, checkpoints: Checkpoints, step: int, protect: list[str]) -> None:
+    def __init__(
+        self,
+        checkpoints: Checkpoints,
+        step: int,
+        protect: list[str],
+        unmarked: Callable[[str], bool] | None = None,
+    ) -> None:
         self.ckpts = checkpoints
         self.step = step
         self.protect = protect
+        self.unmarked = unmarked
         self.final_name = checkpoints.names.format(step)
         self.final = checkpoints.path_of(self.final_name)
         self.stage_name = ""
@@ -317,7 +339,9 @@ class CheckpointSave:
         deadline = time.monotonic() + self.timeout
         if group.is_writer:
             try:
-                self._promotion = steps.promotion(self.step, rank=group.rank, protect=self.protect)
+                self._promotion = steps.promotion(
+                    self.step, rank=group.rank, protect=self.protect, unmarked=self.unmarked
+                )
                 self._stage = self._promotion.open_stage()
                 self.stage_name = self._promotion.stage_name
             except BaseException as exc:

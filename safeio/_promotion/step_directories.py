@@ -18,7 +18,8 @@ import contextlib
 import logging
 import os
 import stat
-from collections.abc import Iterable
+import time
+from collections.abc import Callable, Iterable
 from typing import Any
 
 from safeio._boundary import os_failure
@@ -40,6 +41,7 @@ from safeio._storage.dirfd import held_directory, is_component, lstat_at
 from safeio._storage.fsops import remove_at
 from safeio._storage.location import Location
 from safeio._storage.names import parse, sibling_name
+from safeio._storage.posix import rename_noreplace
 from safeio._storage.readers import LocalReader, read_pointer
 from safeio._who import who
 
@@ -147,7 +149,14 @@ class LocalSteps(StepStorage):
 
     # -- the writer ----------------------------------------------------------------------------------
 
-    def promotion(self, step: int, *, rank: int, protect: Iterable[str] = ()) -> StepPromotion:
+    def promotion(
+        self,
+        step: int,
+        *,
+        rank: int,
+        protect: Iterable[str] = (),
+        unmarked: Callable[[str], bool] | None = None,
+    ) -> StepPromotion:
         final_name = self.names.format(step)
         final = self.url(final_name)
         try:
@@ -158,14 +167,16 @@ class LocalSteps(StepStorage):
                         self.root, parent_fd=root_fd, keep_going=True, durable=self.options.durable
                     )
                     self._recovered = True
-                if lstat_at(root_fd, final_name) is not None:
+                found = lstat_at(root_fd, final_name)
+                if found is not None:
                     if self.reader(final_name).committed_step() is not None:
                         raise TargetExistsError(f"step {step} is already committed at {final}", final)
-                    raise InvalidTargetError(
-                        f"{final} exists and is not a committed checkpoint (safeio never deletes "
-                        "what it did not write): move it away, or save another step",
-                        final,
-                    )
+                    if not self._moved_aside(root_fd, final_name, found, unmarked):
+                        raise InvalidTargetError(
+                            f"{final} exists and is not a committed checkpoint (safeio never deletes "
+                            "what it did not write): move it away, or save another step",
+                            final,
+                        )
         except OSError as exc:
             raise os_failure(
                 f"cannot open the stage of step {step} under {self.root}", self.root, exc
@@ -179,6 +190,38 @@ class LocalSteps(StepStorage):
             steps=self,
             protect=frozenset(protect),
         )
+
+    def _moved_aside(
+        self, root_fd: int, name: str, found: os.stat_result, unmarked: Callable[[str], bool] | None
+    ) -> bool:
+        """A step directory written without safeio at the name a save needs, which that framework's own
+        marker says is unfinished (a killed plain save of the step the run now reaches again): renamed
+        to a visible sibling and kept, never deleted. Only this user's directory, with no safeio marker at
+        all (a damaged commit is refused), and only when the caller gave the framework's judgement; a
+        complete one is refused like anything else safeio did not write."""
+        if (
+            unmarked is None
+            or not stat.S_ISDIR(found.st_mode)
+            or found.st_uid != os.geteuid()
+            or self.reader(name).committed_marker(check_files=False) is not None
+            or unmarked(self.url(name))
+        ):
+            return False
+        # Not named like a step (and not starting like one: transformers' rotation globs
+        # "checkpoint-*" and would delete it as an old checkpoint), nor like a safeio leftover.
+        aside = _unused_name(root_fd, f"incomplete-{name}.{time.strftime('%Y%m%dT%H%M%SZ', time.gmtime())}")
+        if aside is None:
+            return False
+        rename_noreplace(name, aside, root_fd)
+        logger.warning(
+            "%s: %s was written without safeio and is incomplete by its framework's own marker; moved "
+            "aside to %s (kept: remove it when it is no longer needed) so that step %d can be committed",
+            who(),
+            self.url(name),
+            self.url(aside),
+            self.names.parse(name),
+        )
+        return True
 
     def next_sequence(self, root_fd: int) -> int:
         """Under the root's lock, before the commit: the next number in commit order, recorded first, so
@@ -259,6 +302,14 @@ class LocalSteps(StepStorage):
             return stat.S_ISDIR(os.lstat(self.url(stage_name)).st_mode)
         except OSError:
             return False
+
+
+def _unused_name(root_fd: int, base: str) -> str | None:
+    for n in range(100):
+        candidate = f"{base}.{n}" if n else base
+        if lstat_at(root_fd, candidate) is None:
+            return candidate
+    return None
 
 
 def _pointer_or_none(path: str) -> str | None:

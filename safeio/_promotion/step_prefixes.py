@@ -23,7 +23,7 @@ import json
 import logging
 import os
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 from safeio._boundary import mapped
@@ -196,7 +196,17 @@ class ObjectSteps(StepStorage):
 
     # -- the writer ----------------------------------------------------------------------------------
 
-    def promotion(self, step: int, *, rank: int, protect: Iterable[str] = ()) -> StepPromotion:
+    def promotion(
+        self,
+        step: int,
+        *,
+        rank: int,
+        protect: Iterable[str] = (),
+        unmarked: Callable[[str], bool] | None = None,
+    ) -> StepPromotion:
+        # ``unmarked`` is not used: objects written without safeio under the step's prefix are refused
+        # (moving them aside on an object store is a copy and a delete of each, not one rename).
+        del unmarked
         return StepMarker(
             self._location(self.names.format(step)),
             steps=self,

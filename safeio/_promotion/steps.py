@@ -136,9 +136,18 @@ class StepStorage(ABC):
         """The last sequence number given to a commit here, or None (none yet, or unreadable)."""
 
     @abstractmethod
-    def promotion(self, step: int, *, rank: int, protect: Iterable[str] = ()) -> StepPromotion:
+    def promotion(
+        self,
+        step: int,
+        *,
+        rank: int,
+        protect: Iterable[str] = (),
+        unmarked: Callable[[str], bool] | None = None,
+    ) -> StepPromotion:
         """The writer: the commit of ``step`` (its stage is made by ``open_stage``); retention after it
-        never removes a step named in ``protect``."""
+        never removes a step named in ``protect``. ``unmarked``: a framework's judgement of a step
+        directory written without safeio (``Checkpoints.save``); what a place does with one standing at
+        the step's name is its own."""
 
     @abstractmethod
     def is_stage_of(self, stage_name: str, step: int) -> bool:

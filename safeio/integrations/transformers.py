@@ -150,7 +150,9 @@ def _save_committed(trainer: Any, model: Any, trial: Any, save: Callable[[Any, A
     step = trainer.state.global_step
     folder = PREFIX.format(step=step)
     best = trainer.state.best_model_checkpoint
-    with ckpts.save(step, protect=[best] if best else []) as ckpt, _viewed_as(ckpt.path, folder) as view:
+    # A checkpoint-N of this step the plain Trainer left unfinished (a kill before safeio) is moved aside.
+    saving = ckpts.save(step, protect=[best] if best else [], unmarked=is_complete_by_trainer)
+    with saving as ckpt, _viewed_as(ckpt.path, folder) as view:
         # An instance attribute for the duration: the Trainer's method builds its directory from it.
         trainer._get_output_dir = lambda trial=None: view
         try:

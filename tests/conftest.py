@@ -8,6 +8,10 @@ from pathlib import Path
 
 import pytest
 
+# Other projects' tests, kept as their authors wrote them: tests/test_upstream_suites.py runs them in
+# subprocesses of their own (with their own configuration), never in this session.
+collect_ignore = ["upstream"]
+
 
 @pytest.fixture
 def shared_dir() -> Iterator[Path]:

@@ -102,7 +102,7 @@ def _fit(
         "step": trainer.global_step,
         "last_step": saved["global_step"],
         "same": same,
-        "link": os.readlink(last),
+        "link": os.readlink(last) if os.path.islink(last) else None,
     }
 
 
@@ -164,3 +164,16 @@ def test_a_directory_at_the_link_path_is_refused_by_name(tmp_path: Path) -> None
     assert isinstance(error, InvalidTargetError) and str(root / "last.ckpt") in str(error), failed
     assert (root / "last.ckpt" / "kept").read_text() == "someone's file"
     assert [n for n in os.listdir(root) if ".safeio-" in n] == []  # the new link was not left behind
+
+
+@pytest.mark.fuse_opts(no_symlinks=True)
+@pytest.mark.parametrize("callback", ["plain", "safe"])
+def test_a_share_without_symlinks_gets_last_ckpt_as_a_copy(nfslike_mount: Mount, callback: str) -> None:
+    """Where symbolic links are refused (SMB/CIFS, FAT; here the mount's ``no_symlinks``), ModelCheckpoint
+    copies the checkpoint to last.ckpt (the plain case: Lightning's behaviour the drop-in must match), and
+    so does SafeModelCheckpoint, atomically: Lightning's own test_model_checkpoint_link_checkpoint checks
+    this after its directory case, which the drop-in refuses, so it never got that far."""
+    root = str(nfslike_mount.path / "ckpt")
+    [result] = run_ranks(_fit, 1, root, 3, False, None, False, callback, timeout=240)
+    assert result.value["link"] is None and result.value["same"] and result.value["last_step"] == 3
+    assert [n for n in os.listdir(root) if ".safeio-" in n] == []

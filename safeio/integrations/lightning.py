@@ -10,7 +10,8 @@ renaming them aside first, and composes with ``AsyncCheckpointIO(SafeCheckpointI
 
 ``ModelCheckpoint(save_last="link")`` replaces ``last.ckpt`` by removing it and then creating the link:
 in between, and after a crash there, there is no ``last.ckpt`` at all. ``SafeModelCheckpoint`` makes
-the new link beside it and renames it over the old one. It keeps ``ModelCheckpoint``'s ``state_key``, so
+the new link beside it and renames it over the old one (where links are refused, an atomic copy, as
+ModelCheckpoint falls back to copying). It keeps ``ModelCheckpoint``'s ``state_key``, so
 a run resumes the best model path and top-k list from a checkpoint either callback wrote. Where
 Lightning removes a directory found at the link path (``shutil.rmtree``), it refuses with
 ``InvalidTargetError`` naming it: a directory tree in a shared directory is not removed on a guess.
@@ -19,6 +20,7 @@ Lightning removes a directory found at the link path (``shutil.rmtree``), it ref
 from __future__ import annotations
 
 import os
+import shutil
 from typing import Any
 
 from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
@@ -78,23 +80,44 @@ class SafeModelCheckpoint(ModelCheckpoint):
     @staticmethod
     def _link_checkpoint(trainer: Any, filepath: str, linkpath: str) -> None:
         if trainer.is_global_zero and os.path.abspath(filepath) != os.path.abspath(linkpath):
-            parent = os.path.dirname(os.path.abspath(linkpath))
-            name = os.path.basename(linkpath)
-            # Through the directory's handle: nothing planted in the shared directory is followed.
-            with (
-                held_directory(parent, follow=True) as parent_fd,
-                claimed(sibling_name(name, "tmp")) as temporary,
-            ):
-                os.symlink(os.path.relpath(filepath, parent), temporary, dir_fd=parent_fd)
-                try:
-                    # Readers see the old link or the new one, never none.
-                    os.replace(temporary, name, src_dir_fd=parent_fd, dst_dir_fd=parent_fd)
-                except IsADirectoryError:
-                    os.unlink(temporary, dir_fd=parent_fd)
-                    raise InvalidTargetError(
-                        f"{linkpath} is a directory, so the last-checkpoint link cannot replace it; "
-                        "move or remove it (ModelCheckpoint would delete it with its contents)",
-                        linkpath,
-                    ) from None
-                os.fsync(parent_fd)
+            try:
+                _replace_with_link(filepath, linkpath)
+            except IsADirectoryError:
+                raise InvalidTargetError(
+                    f"{linkpath} is a directory, so the last-checkpoint link cannot replace it; "
+                    "move or remove it (ModelCheckpoint would delete it with its contents)",
+                    linkpath,
+                ) from None
         trainer.strategy.barrier()
+
+
+def _replace_with_link(filepath: str, linkpath: str) -> None:
+    """``linkpath`` becomes a relative link to ``filepath`` by one rename; where the filesystem refuses
+    links, an atomic copy of it (ModelCheckpoint's fallback, which copies over the removed link)."""
+    parent = os.path.dirname(os.path.abspath(linkpath))
+    name = os.path.basename(linkpath)
+    # Through the directory's handle: nothing planted in the shared directory is followed.
+    with (
+        held_directory(parent, follow=True) as parent_fd,
+        claimed(sibling_name(name, "tmp")) as temporary,
+    ):
+        try:
+            os.symlink(os.path.relpath(filepath, parent), temporary, dir_fd=parent_fd)
+        except OSError:
+            # SMB/CIFS and FAT shares, or Windows without the privilege, have no symbolic links
+            # (EPERM, EOPNOTSUPP, ENOSYS); ModelCheckpoint then copies the file, on any OSError.
+            _copy_into_place(filepath, linkpath)
+            return
+        try:
+            # Readers see the old link or the new one, never none.
+            os.replace(temporary, name, src_dir_fd=parent_fd, dst_dir_fd=parent_fd)
+        except BaseException:
+            os.unlink(temporary, dir_fd=parent_fd)
+            raise
+        os.fsync(parent_fd)
+
+
+def _copy_into_place(filepath: str, linkpath: str) -> None:
+    # A directory at linkpath is refused here too: atomic_open raises InvalidTargetError naming it.
+    with open(filepath, "rb") as source, atomic_open(linkpath, "wb") as copy:
+        shutil.copyfileobj(source, copy, 1 << 20)

@@ -7,6 +7,7 @@ switchable, the NFS client behaviours that break checkpoint code.
   directory are two clients that see each other's changes late;
 - silly rename (`silly_rename`): removing an open file renames it to `.nfsXXXX` until closed;
 - renameat2 flags are refused with EINVAL, as the NFS client does;
+- no symbolic links (`no_symlinks`): symlink() fails with EPERM, as on SMB/CIFS or FAT shares;
 - faults: `enospc_after`, `eio_on_fsync`, `latency`, `hang` / `hang_timeout` / `hang_after_bytes`
   (`Mount.hung()` names the processes held);
 - operation counters per client process.

@@ -278,6 +278,8 @@ class NfsLikeFS(mfusepy.Operations):  # type: ignore[misc]  # mfusepy is untyped
     def symlink(self, target: str, source: str) -> None:
         # mfusepy's argument names: `target` is the new link, `source` its content.
         self._enter(target)
+        if self.options.no_symlinks:
+            raise OSError(errno.EPERM, "nfslike: no symbolic links on this share (no_symlinks)", target)
         os.symlink(source, self._real(target))
         self._give_to_caller(self._real(target))
 

@@ -50,6 +50,12 @@ class Options:
     silly_rename: bool = _opt(
         False, "unlinking or renaming over an open file renames it to .nfsXXXX until closed", bool, flag=True
     )
+    no_symlinks: bool = _opt(
+        False,
+        "symlink() fails with EPERM, as on an SMB/CIFS or FAT share without symlink support",
+        bool,
+        flag=True,
+    )
     enospc_after: int | None = _opt(None, "ENOSPC once this many bytes have been written", int)
     eio_on_fsync: str | None = _opt(None, "EIO on fsync of paths matching this glob", str)
     latency: float = _opt(0.0, "seconds added to every operation", float)

@@ -115,6 +115,7 @@ def _retention_of(accelerator: Any, ckpts: Checkpoints) -> Iterator[None]:
     if ckpts.keep_given:
         yield
         return
+    ckpts.wait()  # an async commit still pending retires by the keep it was saved with
     default, ckpts.keep = ckpts.keep, accelerator.project_configuration.total_limit
     try:
         yield

@@ -22,7 +22,7 @@ import sys
 from typing import Any
 
 PROGRAM = "accelerate.test_utils.scripts.external_deps.test_checkpointing"
-_WORDS = "the a model saves its checkpoint on shared storage every rank waits for one writer to commit".split()
+_WORDS = "the a model saves its checkpoint on shared storage every rank waits for one writer to commit"
 
 
 def program_path() -> str:
@@ -40,7 +40,7 @@ def build_model(directory: str) -> None:
     tk = Tokenizer(models.WordLevel(unk_token="[UNK]"))
     tk.pre_tokenizer = pre_tokenizers.Whitespace()
     specials = ["[UNK]", "[PAD]", "[CLS]", "[SEP]"]
-    tk.train_from_iterator([" ".join(_WORDS)], trainers.WordLevelTrainer(special_tokens=specials))
+    tk.train_from_iterator([_WORDS], trainers.WordLevelTrainer(special_tokens=specials))
     tk.post_processor = processors.TemplateProcessing(
         single="[CLS] $A [SEP]",
         pair="[CLS] $A [SEP] $B:1 [SEP]:1",
@@ -76,9 +76,9 @@ def _mrpc(train_rows: int = 64, validation_rows: int = 32) -> Any:
     def split(rows: int) -> Any:
         columns: dict[str, list[Any]] = {"idx": [], "sentence1": [], "sentence2": [], "label": []}
         for i in range(rows):
-            first = rng.sample(_WORDS, 6)
+            first = rng.sample(_WORDS.split(), 6)
             label = i % 2
-            second = list(first) if label else rng.sample(_WORDS, 6)
+            second = list(first) if label else rng.sample(_WORDS.split(), 6)
             rng.shuffle(second)
             columns["idx"].append(i)
             columns["sentence1"].append(" ".join(first))

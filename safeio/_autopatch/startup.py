@@ -6,7 +6,8 @@ word on stderr, and registers ``_PatchWhenImported`` on ``sys.meta_path``; as tr
 finish importing, that imports safeio and installs each part: ``patch_save_pretrained()`` when
 ``transformers`` is imported (with models for ``models``), ``patch_trainer()`` when
 ``transformers.trainer_utils`` or ``transformers.trainer`` is (transformers imports them lazily, on
-first use of the Trainer), ``patch_accelerator()`` when ``accelerate.accelerator`` is. Each part is logged on the ``safeio`` logger and recorded in
+first use of the Trainer), ``patch_accelerator()`` when ``accelerate.accelerator`` is. Each part is
+logged on the ``safeio`` logger and recorded in
 ``os.environ["SAFEIO_PATCH_ACTIVE"]`` as ``<pid>:<part>,<part>`` (what ``safeio autopatch`` reports).
 """
 
@@ -29,8 +30,8 @@ _OFF = ("0", "off", "false", "no", "none")
 def parts(value: str) -> tuple[list[str], list[str]]:
     """The parts ``SAFEIO_PATCH=value`` asks for, and the words it does not know. A comma-separated
     list read left to right: ``1``/``all`` is every part but models; ``models`` is that plus models'
-    ``save_pretrained`` (its meaning before the list existed); ``save_pretrained``/``trainer``/``accelerate`` add
-    one part; ``-part`` removes one; ``0``/``off`` removes all."""
+    ``save_pretrained`` (its meaning before the list existed); ``save_pretrained``, ``trainer`` and
+    ``accelerate`` add one part each; ``-part`` removes one; ``0``/``off`` removes all."""
     chosen: list[str] = []
     unknown: list[str] = []
     for word in value.replace(" ", "").lower().split(","):

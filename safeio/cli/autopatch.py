@@ -2,8 +2,8 @@
 
 Reports whether the start-up hook (``safeio-autopatch.pth``) is installed in this interpreter's
 site-packages, what ``SAFEIO_PATCH`` is set to, and starts a fresh interpreter with that value (``1``
-when it is unset or off) that imports transformers, its Trainer and accelerate, to show which parts of the patch
-really arrive in a new process (as in a spawned worker).
+when it is unset or off) that imports transformers, its Trainer and accelerate, to show which parts of
+the patch really arrive in a new process (as in a spawned worker).
 """
 
 from __future__ import annotations
@@ -29,8 +29,8 @@ _PROBE = (
 def add_parser(commands: Any, epilog: str) -> None:
     parser = commands.add_parser(
         "autopatch",
-        help="check that SAFEIO_PATCH patches save_pretrained, the Trainer and accelerate in every new Python "
-        "process",
+        help="check that SAFEIO_PATCH patches save_pretrained, the Trainer and accelerate in every new "
+        "Python process",
         description="With SAFEIO_PATCH=1 in the environment, every Python process started with it "
         "(spawned workers included) routes transformers' save_pretrained through safeio from the moment "
         "transformers is imported, and stages and commits every Trainer's checkpoint-N (resuming, and "

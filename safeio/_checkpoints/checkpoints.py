@@ -93,7 +93,11 @@ class CheckpointStage:
 
 class Checkpoints:
     """Whole checkpoints under ``root``: ``save(step)``, ``latest()`` and ``steps()`` are collective
-    (every rank of ``group`` calls them, in the same order)."""
+    (every rank of ``group`` calls them, in the same order).
+
+    ``keep``: how many of the most recent commits retention keeps (default 3; None: all).
+    ``keep_given`` says whether it was passed: the accelerate adapter applies the script's own
+    ``total_limit`` to a ``Checkpoints`` given none."""
 
     def __init__(
         self,

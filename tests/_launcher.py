@@ -72,9 +72,15 @@ def torchrun(script: Path, *args: str, nproc: int = 2) -> list[str]:
     return [os.fspath(TORCHRUN), "--standalone", "--nproc_per_node", str(nproc), os.fspath(script), *args]
 
 
-def start(cmd: Sequence[str], log: Path) -> subprocess.Popen[bytes]:
-    """The job, its output (every rank's) into ``log``; one thread per rank (two cores, two ranks)."""
-    env = dict(os.environ, HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", OMP_NUM_THREADS="1")
+def start(cmd: Sequence[str], log: Path, env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
+    """The job, its output (every rank's) into ``log``; one thread per rank (two cores, two ranks); ``env``
+    (default: this process's) offline for the hub."""
+    env = dict(
+        env if env is not None else os.environ,
+        HF_HUB_OFFLINE="1",
+        HF_DATASETS_OFFLINE="1",
+        OMP_NUM_THREADS="1",
+    )
     with open(log, "wb") as sink:
         return subprocess.Popen(cmd, stdout=sink, stderr=subprocess.STDOUT, env=env, start_new_session=True)
 
@@ -92,8 +98,10 @@ def finish(proc: subprocess.Popen[bytes], out: Path, log: Path, bound: float, wh
         )
 
 
-def launch(cmd: Sequence[str], out: Path, log: Path, bound: float, what: str) -> tuple[str, float, int]:
+def launch(
+    cmd: Sequence[str], out: Path, log: Path, bound: float, what: str, env: dict[str, str] | None = None
+) -> tuple[str, float, int]:
     """One job to its launcher's exit: its output, how long it took, its exit code."""
     began = time.monotonic()
-    code = finish(start(cmd, log), out, log, bound, what)
+    code = finish(start(cmd, log, env), out, log, bound, what)
     return log.read_text(errors="replace"), time.monotonic() - began, code

@@ -138,7 +138,9 @@ def test_safeio_patch_makes_an_unmodified_trainer_resume_from_a_committed_checkp
     reports = [json.loads((tmp_path / "patched-resumed" / f"rank{r}.json").read_text()) for r in (0, 1)]
     assert [(r["started_at"], r["step"]) for r in reports] == [(2, 6), (2, 6)], reports
     assert {r["last"] for r in reports} == {str(patched / "checkpoint-2")}
-    assert all(r["patched"].endswith(":save_pretrained,trainer") for r in reports), reports
+    # 1 includes accelerate's part (the Trainer imports accelerate): its checkpoints are still staged once,
+    # by the Trainer's part (verified below); the Trainer never calls Accelerator.save_state.
+    assert all(r["patched"].endswith(":save_pretrained,trainer,accelerate") for r in reports), reports
     # Every checkpoint committed (the dead writer's stage cleared), rotated to save_total_limit=2.
     assert _entries(patched) == ["checkpoint-4", "checkpoint-6"]
     import safeio
@@ -167,9 +169,11 @@ _PARTS_PROBE = """
 import json, os, transformers
 from transformers.trainer_utils import get_last_checkpoint
 import transformers.trainer as trainer
+import accelerate
 print(json.dumps({
     "active": os.environ.get("SAFEIO_PATCH_ACTIVE", ":").split(":")[1],
     "trainer": hasattr(trainer.Trainer._save_checkpoint, "__wrapped__"),
+    "accelerate": hasattr(accelerate.Accelerator.save_state, "__wrapped__"),
     "lookup": get_last_checkpoint.__module__,
 }))
 """
@@ -178,20 +182,21 @@ print(json.dumps({
 def test_the_values_of_safeio_patch() -> None:
     from safeio._autopatch.startup import parts
 
-    assert (
-        parts("1") == parts("all") == parts("save_pretrained,trainer") == (["save_pretrained", "trainer"], [])
-    )
-    assert parts("models") == (["save_pretrained", "trainer", "models"], [])  # 1 and models, as before
-    assert parts("models,-trainer") == (["save_pretrained", "models"], [])
+    everything = ["save_pretrained", "trainer", "accelerate"]
+    assert parts("1") == parts("all") == parts("save_pretrained,trainer,accelerate") == (everything, [])
+    assert parts("models") == ([*everything, "models"], [])  # 1 and models, as before
+    assert parts("models,-trainer") == (["save_pretrained", "accelerate", "models"], [])
+    assert parts("accelerate") == (["accelerate"], [])
+    assert parts("1,-accelerate") == (["save_pretrained", "trainer"], [])
     assert parts("save_pretrained") == (["save_pretrained"], [])
     assert parts("trainer, Bogus") == (["trainer"], ["bogus"])
     assert parts("1,0") == parts("off") == parts("-save_pretrained") == ([], [])
-    assert parts("trainer,models") == (["save_pretrained", "trainer", "models"], [])
+    assert parts("trainer,models") == ([*everything, "models"], [])
 
 
 def test_each_value_of_safeio_patch_patches_its_parts() -> None:
     # The opt-out leaves the Trainer as transformers wrote it; an unknown word never stops the rest.
-    values = ["save_pretrained", "trainer,bogus"]
+    values = ["save_pretrained", "trainer,bogus", "accelerate"]
     env = {k: v for k, v in os.environ.items() if not k.startswith("SAFEIO_PATCH")}
     probes = [
         subprocess.Popen(
@@ -207,8 +212,14 @@ def test_each_value_of_safeio_patch_patches_its_parts() -> None:
     found = {value: json.loads(out.strip().splitlines()[-1]) for value, (out, _) in done.items()}
     ours, theirs = "safeio.integrations.transformers", "transformers.trainer_utils"
     assert found == {
-        "save_pretrained": {"active": "save_pretrained", "trainer": False, "lookup": theirs},
-        "trainer,bogus": {"active": "trainer", "trainer": True, "lookup": ours},
+        "save_pretrained": {
+            "active": "save_pretrained",
+            "trainer": False,
+            "accelerate": False,
+            "lookup": theirs,
+        },
+        "trainer,bogus": {"active": "trainer", "trainer": True, "accelerate": False, "lookup": ours},
+        "accelerate": {"active": "accelerate", "trainer": False, "accelerate": True, "lookup": theirs},
     }
     # An unknown word is reported once at start-up, and the rest still applies.
     assert done["trainer,bogus"][1].count("unknown 'bogus' ignored") == 1, done["trainer,bogus"][1]
@@ -243,7 +254,7 @@ def test_safeio_autopatch_reports_the_hook_and_a_patched_process() -> None:
     assert done.returncode == 0, done.stdout + done.stderr
     report = json.loads(done.stdout)
     assert report["hook"].endswith("safeio-autopatch.pth") and report["new_process_patched"] is True
-    assert report["parts"] == ["save_pretrained", "trainer"], report
+    assert report["parts"] == ["save_pretrained", "trainer", "accelerate"], report
 
 
 def test_a_broken_hook_never_breaks_start_up(tmp_path: Path) -> None:

@@ -574,3 +574,18 @@ def test_verify_and_gc_understand_a_checkpoint_root(tmp_path: Path) -> None:
         "step_3",
     ]
     assert ckpts.latest() == safeio.Checkpoint(2, str(root / "step_2"))
+
+
+def test_keep_tells_its_default_from_a_chosen_3_and_is_checked_when_set(tmp_path: Path) -> None:
+    """An adapter applies a framework's own retention only when the user chose no ``keep``
+    (``keep_given``); setting ``keep`` later is validated like the argument and applies to what follows."""
+    default, chosen = safeio.Checkpoints(tmp_path / "a"), safeio.Checkpoints(tmp_path / "b", keep=3)
+    assert (default.keep, default.keep_given) == (3, False)
+    assert (chosen.keep, chosen.keep_given) == (3, True)
+    default.keep = 1
+    for step in (1, 2):
+        with default.save(step) as ckpt:
+            Path(ckpt.path, "w.bin").write_bytes(b"w")
+    assert default.steps() == [2]
+    with pytest.raises(safeio.InvalidOptionError, match=str(tmp_path / "a")):
+        default.keep = 0

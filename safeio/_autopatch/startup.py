@@ -6,7 +6,8 @@ word on stderr, and registers ``_PatchWhenImported`` on ``sys.meta_path``; as tr
 finish importing, that imports safeio and installs each part: ``patch_save_pretrained()`` when
 ``transformers`` is imported (with models for ``models``), ``patch_trainer()`` when
 ``transformers.trainer_utils`` or ``transformers.trainer`` is (transformers imports them lazily, on
-first use of the Trainer). Each part is logged on the ``safeio`` logger and recorded in
+first use of the Trainer), ``patch_accelerator()`` when ``accelerate.accelerator`` is. Each part is
+logged on the ``safeio`` logger and recorded in
 ``os.environ["SAFEIO_PATCH_ACTIVE"]`` as ``<pid>:<part>,<part>`` (what ``safeio autopatch`` reports).
 """
 
@@ -20,8 +21,8 @@ from collections.abc import Callable
 from types import ModuleType
 from typing import Any
 
-PARTS = ("save_pretrained", "trainer", "models")
-EVERYTHING = ("save_pretrained", "trainer")  # what ``1`` covers
+PARTS = ("save_pretrained", "trainer", "accelerate", "models")
+EVERYTHING = ("save_pretrained", "trainer", "accelerate")  # what ``1`` covers
 _ON = ("1", "all", "true", "yes", "on")
 _OFF = ("0", "off", "false", "no", "none")
 
@@ -29,8 +30,8 @@ _OFF = ("0", "off", "false", "no", "none")
 def parts(value: str) -> tuple[list[str], list[str]]:
     """The parts ``SAFEIO_PATCH=value`` asks for, and the words it does not know. A comma-separated
     list read left to right: ``1``/``all`` is every part but models; ``models`` is that plus models'
-    ``save_pretrained`` (its meaning before the list existed); ``save_pretrained``/``trainer`` add one
-    part; ``-part`` removes one; ``0``/``off`` removes all."""
+    ``save_pretrained`` (its meaning before the list existed); ``save_pretrained``, ``trainer`` and
+    ``accelerate`` add one part each; ``-part`` removes one; ``0``/``off`` removes all."""
     chosen: list[str] = []
     unknown: list[str] = []
     for word in value.replace(" ", "").lower().split(","):
@@ -67,7 +68,7 @@ _trainer_patch: list[Any] = []  # the one TrainerPatch installed in this process
 def _record(installed: list[str], what: str) -> None:
     import logging
 
-    _active.extend(p for p in installed if p not in _active)
+    _active[:] = [p for p in PARTS if p in _active or p in installed]  # one order, whatever imports first
     os.environ["SAFEIO_PATCH_ACTIVE"] = f"{os.getpid()}:{','.join(_active)}"
     logging.getLogger("safeio").info(
         "SAFEIO_PATCH=%s: %s goes through safeio in this process (pid %d)",
@@ -104,6 +105,16 @@ def _install_trainer(chosen: list[str]) -> None:
             _record(["trainer"], "the Trainer's checkpoints (and get_last_checkpoint)")
     except Exception as exc:  # never break the user's program
         print(f"safeio: SAFEIO_PATCH is set but the patch failed (the Trainer's): {exc!r}", file=sys.stderr)
+
+
+def _install_accelerate() -> None:
+    try:
+        from safeio.integrations._accelerate_patch import patch_accelerator
+
+        patch_accelerator().install()
+        _record(["accelerate"], "accelerate's Accelerator.save_state/load_state")
+    except Exception as exc:  # never break the user's program
+        print(f"safeio: SAFEIO_PATCH is set but the patch failed (accelerate's): {exc!r}", file=sys.stderr)
 
 
 class _Loader(importlib.abc.Loader):
@@ -168,6 +179,8 @@ def _start() -> None:
     if "trainer" in chosen:
         for module in ("transformers.trainer_utils", "transformers.trainer"):
             waiting[module] = lambda: _install_trainer(chosen)
+    if "accelerate" in chosen:
+        waiting["accelerate.accelerator"] = _install_accelerate
     now = [name for name in waiting if name in sys.modules]  # imported before site ran (not normally)
     for name in now:
         waiting.pop(name)()

@@ -43,9 +43,18 @@ from safeio._promotion.steps import LATEST, MEGATRON_TRACKER, StepNames, StepPro
 from safeio._storage.fsops import discard_tree
 from safeio._who import who
 
-__all__ = ["LATEST", "MEGATRON_TRACKER", "Checkpoint", "CheckpointStage", "Checkpoints"]
+__all__ = ["DEFAULT_KEEP", "LATEST", "MEGATRON_TRACKER", "Checkpoint", "CheckpointStage", "Checkpoints"]
 
 logger = logging.getLogger("safeio")
+
+
+class _DefaultKeep(int):
+    """``keep``'s default, 3, told apart from a caller's own ``keep=3`` by identity: an adapter of a
+    framework with retention of its own (accelerate's ``total_limit``) applies the framework's when the
+    user did not choose, instead of retiring the script's checkpoints at 3 without a word."""
+
+
+DEFAULT_KEEP: int = _DefaultKeep(3)
 
 
 @dataclass(frozen=True)
@@ -84,13 +93,17 @@ class CheckpointStage:
 
 class Checkpoints:
     """Whole checkpoints under ``root``: ``save(step)``, ``latest()`` and ``steps()`` are collective
-    (every rank of ``group`` calls them, in the same order)."""
+    (every rank of ``group`` calls them, in the same order).
+
+    ``keep``: how many of the most recent commits retention keeps (default 3; None: all).
+    ``keep_given`` says whether it was passed: the accelerate adapter applies the script's own
+    ``total_limit`` to a ``Checkpoints`` given none."""
 
     def __init__(
         self,
         root: str | os.PathLike[str],
         *,
-        keep: int | None = 3,
+        keep: int | None = DEFAULT_KEEP,
         name: str = "step_{step}",
         group: Any = None,
         timeout: float | None = None,
@@ -99,16 +112,26 @@ class Checkpoints:
         megatron_tracker: bool = False,
     ) -> None:
         backend = backend_for(root)
-        if keep is not None and (isinstance(keep, bool) or not isinstance(keep, int) or keep < 1):
-            raise InvalidOptionError(f"keep must be a number of checkpoints >= 1 or None, got {keep!r}", root)
+        _check_keep(keep, root)
         names = StepNames(name, backend.url())
         self.options = SaveOptions.of(timeout=timeout, durable=durable, lock=lock)
         self._steps = backend.steps(names, self.options, keep=keep, megatron_tracker=megatron_tracker)
         self.root = self._steps.root_url
-        self.keep = keep
+        self.keep_given = keep is not DEFAULT_KEEP  # see DEFAULT_KEEP
         self.names = names
         self._group_arg = group
         self._pending: PendingCommit | None = None
+
+    @property
+    def keep(self) -> int | None:
+        """How many of the most recent commits retention keeps (None: all). Setting it applies to the
+        commits that follow."""
+        return self._steps.keep
+
+    @keep.setter
+    def keep(self, keep: int | None) -> None:
+        _check_keep(keep, self.root)
+        self._steps.keep = keep
 
     def group(self) -> Group:
         return resolve_group(self._group_arg)
@@ -472,6 +495,13 @@ class CheckpointSave:
         # Committed: what failed after the commit point is a warning every rank hears, never a failure.
         self.call.decide({"ok": True, "path": self.final, "warnings": list(promoted.warnings)})
         self._note_warnings(list(promoted.warnings))
+
+
+def _check_keep(keep: object, root: str | os.PathLike[str]) -> None:
+    if keep is not None and (isinstance(keep, bool) or not isinstance(keep, int) or keep < 1):
+        raise InvalidOptionError(
+            f"keep must be a number of checkpoints >= 1 or None, got {keep!r} (Checkpoints of {root})", root
+        )
 
 
 def _abandon(promotion: StepPromotion) -> None:

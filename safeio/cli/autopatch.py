@@ -2,8 +2,8 @@
 
 Reports whether the start-up hook (``safeio-autopatch.pth``) is installed in this interpreter's
 site-packages, what ``SAFEIO_PATCH`` is set to, and starts a fresh interpreter with that value (``1``
-when it is unset or off) that imports transformers and its Trainer, to show which parts of the patch
-really arrive in a new process (as in a spawned worker).
+when it is unset or off) that imports transformers, its Trainer and accelerate, to show which parts of
+the patch really arrive in a new process (as in a spawned worker).
 """
 
 from __future__ import annotations
@@ -19,19 +19,26 @@ from safeio._autopatch import startup
 from safeio.cli._common import EXIT_OK, EXIT_PROBLEMS, print_json
 
 PTH = "safeio-autopatch.pth"
-_PROBE = "import os, transformers, transformers.trainer; print(os.environ.get('SAFEIO_PATCH_ACTIVE', ''))"
+_PROBE = (
+    "import os, transformers, transformers.trainer\n"
+    "try:\n    import accelerate\nexcept ImportError:\n    pass\n"
+    "print(os.environ.get('SAFEIO_PATCH_ACTIVE', ''))"
+)
 
 
 def add_parser(commands: Any, epilog: str) -> None:
     parser = commands.add_parser(
         "autopatch",
-        help="check that SAFEIO_PATCH patches save_pretrained and the Trainer in every new Python process",
+        help="check that SAFEIO_PATCH patches save_pretrained, the Trainer and accelerate in every new "
+        "Python process",
         description="With SAFEIO_PATCH=1 in the environment, every Python process started with it "
         "(spawned workers included) routes transformers' save_pretrained through safeio from the moment "
         "transformers is imported, and stages and commits every Trainer's checkpoint-N (resuming, and "
-        "transformers' get_last_checkpoint, only from committed ones) from the moment the Trainer is. "
-        "Values, a comma-separated list: 1 or all (save_pretrained and trainer), models (that and models' "
-        "save_pretrained too), save_pretrained, trainer, -PART to leave one out (models,-trainer), 0 off; "
+        "transformers' get_last_checkpoint, only from committed ones) from the moment the Trainer is, and "
+        "commits accelerate's save_state into a directory named with a step number (epoch_3) from the "
+        "moment accelerate is. Values, a comma-separated list: 1 or all (save_pretrained, trainer and "
+        "accelerate), models (that and models' save_pretrained too), save_pretrained, trainer, accelerate, "
+        "-PART to leave one out (models,-trainer), 0 off; "
         "an unknown word is reported on stderr. This command checks that the "
         f"start-up hook ({PTH}) is installed and shows the parts a fresh interpreter gets with this "
         "SAFEIO_PATCH (1 when unset or off). Exit 0 when it works, 1 when it does not.",

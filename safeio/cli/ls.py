@@ -15,9 +15,10 @@ from safeio._promotion.steps import LATEST, StepNames
 from safeio._storage.dirfd import held_directory, walk_files
 from safeio._storage.names import parse
 from safeio.cli._common import EXIT_OK, EXIT_PROBLEMS, existing_directory, human_bytes, print_json
+from safeio.integrations._accelerate_files import ranks_written
 from safeio.integrations.transformers import TRAINER_STATE, is_complete_by_trainer
 
-PATTERNS = ("step_{step}", "checkpoint-{step}")
+PATTERNS = ("step_{step}", "checkpoint-{step}", "checkpoint_{step}")  # checkpoint_{step}: accelerate's
 
 
 def add_parser(commands: Any, epilog: str) -> None:
@@ -27,7 +28,8 @@ def add_parser(commands: Any, epilog: str) -> None:
         description="List the step directories under ROOT (a safeio.Checkpoints root): committed (the "
         "commit marker is there and every file it lists has its size), partial (a safeio marker whose "
         "files do not match it: never resumed from), written without safeio (no marker: complete or "
-        "incomplete by its framework's own marker, the HF Trainer's trainer_state.json or DCP's .metadata), "
+        "incomplete by its framework's own marker: the HF Trainer's trainer_state.json, DCP's .metadata, "
+        "accelerate's random states of every rank), "
         "and stages of saves in progress or left by "
         "crashed writers (`safeio gc` removes those whose owner is gone). Marks the one `latest` "
         "names. A step another user committed in a shared root is shown as theirs (Checkpoints never "
@@ -39,7 +41,7 @@ def add_parser(commands: Any, epilog: str) -> None:
     parser.add_argument(
         "--name",
         default=None,
-        help="the step name pattern (default: step_{step} and checkpoint-{step})",
+        help="the step name pattern (default: step_{step}, checkpoint-{step} and checkpoint_{step})",
     )
     parser.add_argument("--json", action="store_true", help="print a machine-readable report")
     parser.set_defaults(run=run)
@@ -73,7 +75,26 @@ def checkpoint_rows(root: str, names: list[StepNames]) -> list[dict[str, Any]]:
         state = step_state(path, owner)
         rows.append({"name": entry, "step": step, "state": state, "size": _size(path)})
     rows.sort(key=lambda r: (r["step"] is None, r["step"] or 0, r["name"]))
+    _fewer_ranks_are_incomplete(root, rows)
     return rows
+
+
+def _fewer_ranks_are_incomplete(root: str, rows: list[dict[str, Any]]) -> None:
+    """accelerate writes no marker, and ``ls`` does not know how many ranks the job had: a checkpoint
+    with fewer ranks' random states than another of this root is one a killed rank left unfinished."""
+    counted = {
+        row["name"]: ranks_written(os.path.join(root, row["name"]))
+        for row in rows
+        if row["state"].startswith(f"{UNMARKED}, complete by {ACCELERATE}")
+    }
+    most = max((n for n in counted.values() if n is not None), default=0)
+    for row in rows:
+        ranks = counted.get(row["name"])
+        if ranks is not None and ranks < most:
+            row["state"] = (
+                f"{UNMARKED}, incomplete (accelerate's random states of {ranks} of the {most} ranks "
+                "its other checkpoints have)"
+            )
 
 
 def step_state(path: str, owner: int) -> str:
@@ -98,10 +119,14 @@ UNMARKED = "written without safeio"
 
 def framework_marker(path: str) -> str | None:
     """The framework's own completion marker of a checkpoint directory safeio did not write, when it is
-    there: the HF Trainer's ``trainer_state.json`` (with the weights), or ``torch.distributed.checkpoint``'s
+    there: the HF Trainer's ``trainer_state.json`` (with the weights), accelerate's random states of every
+    rank (written last by each; ``_accelerate_files``), or ``torch.distributed.checkpoint``'s
     ``.metadata`` (written last by its save). None: no marker safeio knows says it is complete."""
     if is_complete_by_trainer(path):
         return TRAINER_STATE
+    ranks = ranks_written(path)
+    if ranks is not None:
+        return f"{ACCELERATE} of {ranks} rank{'s' if ranks > 1 else ''}"
     with contextlib.suppress(OSError), held_directory(path) as fd:
         if stat.S_ISREG(os.stat(DCP_METADATA, dir_fd=fd, follow_symlinks=False).st_mode):
             return f"torch.distributed.checkpoint's {DCP_METADATA}"
@@ -109,6 +134,7 @@ def framework_marker(path: str) -> str | None:
 
 
 DCP_METADATA = ".metadata"
+ACCELERATE = "accelerate's random_states_<rank>.pkl"
 
 
 def name_patterns(root: str, name: str | None) -> list[StepNames]:

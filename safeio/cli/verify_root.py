@@ -3,9 +3,10 @@
 A committed step is checked against its marker like any promoted directory. A directory under a step's
 name that is not committed is a problem (a step damaged after its commit, or written without safeio and
 incomplete: ``latest()`` never resumes from it), except one written without safeio that its framework's
-own marker says is complete (the Trainer's ``trainer_state.json``, DCP's ``.metadata``): it is listed as
-not checked, since no manifest of its files exists. ``latest`` must name a committed step. Stages of saves
-in progress are shown, not judged; those of dead writers are what ``safeio gc`` removes.
+own marker says is complete (the Trainer's ``trainer_state.json``, DCP's ``.metadata``, accelerate's random
+states of every rank): it is listed as not checked, since no manifest of its files exists. ``latest`` must
+name a committed step. Stages of saves in progress are shown, not judged; those of dead writers are what
+``safeio gc`` removes.
 """
 
 from __future__ import annotations

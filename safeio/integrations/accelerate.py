@@ -10,7 +10,13 @@ new one. Here:
 - the whole ``checkpoint_<N>`` is staged and committed once (``safeio.Checkpoints``): every rank's files,
   one manifest, one rename; resume finds only committed checkpoints;
 - ``scaler.pt`` and ``dl_state_dict*.bin`` are written once (the writer's; the others' go to scratch);
-- ``total_limit`` is applied after the commit, by one rank.
+- retention is accelerate's: ``total_limit`` (None: keep all), applied after the commit, by one rank —
+  also with a ``Checkpoints`` of the user's that was not given ``keep`` (its default, 3, would silently
+  change the script's retention); an explicit ``keep`` wins;
+- ``load_state`` never ignores a ``checkpoint_<N>`` accelerate wrote without safeio: a complete one
+  (``_accelerate_files``: accelerate writes no marker; judged by what this job's ``load_state`` reads)
+  newer than the latest commit is loaded with a WARNING; an incomplete one is skipped with a WARNING
+  naming it.
 
 ``save_state`` swaps ``accelerate.checkpointing``'s ``torch`` for the duration of the call (accelerate
 has no hook for those two files); the names are looked up at call time, so nothing else is affected.
@@ -27,6 +33,7 @@ from typing import Any
 
 from safeio._checkpoints.checkpoints import Checkpoint, Checkpoints
 from safeio._saves.torch import torch_save
+from safeio.integrations._accelerate_files import is_complete_for
 
 __all__ = ["checkpoints_for", "load_state", "save_state"]
 
@@ -81,27 +88,54 @@ def save_state(
     accelerator: Any, ckpts: Checkpoints | None = None, step: int | None = None, **save_state_kwargs: Any
 ) -> Checkpoint:
     """``accelerator.save_state`` as one committed checkpoint; every rank calls it. Returns the committed
-    ``Checkpoint``; raises ``CheckpointError`` on every rank if any rank failed (nothing committed)."""
+    ``Checkpoint``; raises ``CheckpointError`` on every rank if any rank failed (nothing committed).
+
+    ``step`` numbers the checkpoint (default: accelerate's ``save_iteration``). Retention follows the
+    project configuration's ``total_limit`` (None: keep all) unless ``ckpts`` was given ``keep``."""
     ckpts = ckpts if ckpts is not None else checkpoints_for(accelerator)
     config = accelerator.project_configuration
     step = accelerator.save_iteration if step is None else step
     naming = config.automatic_checkpoint_naming
     config.automatic_checkpoint_naming = False  # Checkpoints names, stages and retires the directories
     try:
-        with ckpts.save(step) as ckpt, _replicated_files_once():
+        with _retention_of(accelerator, ckpts), ckpts.save(step) as ckpt, _replicated_files_once():
             accelerator.save_state(ckpt.path, **save_state_kwargs)
     finally:
         config.automatic_checkpoint_naming = naming
     return Checkpoint(step, os.path.join(ckpts.root, ckpts.names.format(step)))
 
 
+@contextlib.contextmanager
+def _retention_of(accelerator: Any, ckpts: Checkpoints) -> Iterator[None]:
+    """The script's own retention for this save, unless the user chose ``keep``.
+
+    Chosen over refusing a ``Checkpoints`` whose default differs from ``total_limit``: the user who
+    passes ``Checkpoints(root, name=...)`` asked for a root and a naming, not for a retention, and the
+    script already says how many checkpoints it keeps. The user's object is left as it was given."""
+    if ckpts.keep_given:
+        yield
+        return
+    ckpts.wait()  # an async commit still pending retires by the keep it was saved with
+    default, ckpts.keep = ckpts.keep, accelerator.project_configuration.total_limit
+    try:
+        yield
+    finally:
+        ckpts.keep = default
+
+
 def load_state(
     accelerator: Any, ckpts: Checkpoints | None = None, **load_state_kwargs: Any
 ) -> Checkpoint | None:
     """Load the newest committed checkpoint (the same on every rank), or return None when there is none.
-    The next ``save_state`` numbers its checkpoint after it."""
+    The next ``save_state`` numbers its checkpoint after it.
+
+    A ``checkpoint_<N>`` accelerate wrote without safeio (no safeio marker) with a higher step than the
+    latest commit is not ignored: loaded, with a WARNING, when complete (every file this job's
+    ``accelerator.load_state`` reads is there, every rank's ``random_states_<r>.pkl`` and each
+    ``torch.save`` archive whole); skipped, with a WARNING naming it, when not. The returned
+    ``Checkpoint`` then has ``committed=False``."""
     ckpts = ckpts if ckpts is not None else checkpoints_for(accelerator)
-    found = ckpts.latest()
+    found = ckpts.latest(unmarked=lambda path: is_complete_for(accelerator, path))
     if found is not None:
         accelerator.load_state(found.path, **load_state_kwargs)
         accelerator.project_configuration.iteration = found.step + 1

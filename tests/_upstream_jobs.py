@@ -33,6 +33,7 @@ from pathlib import Path
 import safeio
 from safeio.testing import hf_objects
 from safeio.testing.nfslike import Mount
+from tests._launcher import descendants
 
 TORCHRUN = Path(sys.executable).with_name("torchrun")
 LAUNCH = [os.fspath(TORCHRUN), "--standalone", "--nproc_per_node", "2"]
@@ -92,7 +93,7 @@ class Job:
     def ranks(self) -> dict[int, int]:
         """rank -> pid of the launcher's children."""
         found = {}
-        for pid in _descendants(self.proc.pid):
+        for pid in descendants(self.proc.pid):
             with contextlib.suppress(OSError):
                 environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
                 rank = next((v[5:] for v in environ if v.startswith(b"RANK=")), None)
@@ -115,7 +116,7 @@ class Job:
         return self.log.read_text(errors="replace")
 
     def kill(self) -> None:
-        for pid in {self.proc.pid, *_descendants(self.proc.pid)}:
+        for pid in {self.proc.pid, *descendants(self.proc.pid)}:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
         self.proc.wait(10)
@@ -139,25 +140,10 @@ class Side:
     resumed: Ended
 
 
-def _descendants(pid: int) -> list[int]:
-    tree: dict[int, list[int]] = {}
-    for entry in filter(str.isdigit, os.listdir("/proc")):
-        with contextlib.suppress(OSError):
-            stat = Path(f"/proc/{entry}/stat").read_text()
-            tree.setdefault(int(stat.rsplit(")", 1)[1].split()[1]), []).append(int(entry))
-    found, todo = [], [pid]
-    while todo:
-        children = tree.get(todo.pop(), [])
-        found += children
-        todo += children
-    return found
-
-
 def _hung(mount: Mount, *dirs: str) -> bool:
-    """Whether the mount's log shows an operation hung on checkpoint-4's optimizer.pt under each of
-    ``dirs`` (nothing to block on: the daemon only logs it)."""
-    lines = [ln for ln in mount.state_dir.joinpath("daemon.log").read_text().splitlines() if "hanging" in ln]
-    return all(any(f"'/{d}/" in ln and "optimizer.pt" in ln for ln in lines) for d in dirs)
+    """Whether the mount holds an operation on checkpoint-4's optimizer.pt under each of ``dirs``."""
+    paths = [held["path"] for held in mount.hung()]
+    return all(any(f"{d}/" in path and "optimizer.pt" in path for path in paths) for d in dirs)
 
 
 def _last_checkpoint(out: Path, env: dict[str, str]) -> subprocess.Popen[str]:

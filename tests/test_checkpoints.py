@@ -589,3 +589,69 @@ def test_keep_tells_its_default_from_a_chosen_3_and_is_checked_when_set(tmp_path
     assert default.steps() == [2]
     with pytest.raises(safeio.InvalidOptionError, match=str(tmp_path / "a")):
         default.keep = 0
+
+
+def _counting_tokenizer(fail_on_writer: bool = False) -> Any:
+    """The tiny tokenizer, counting the calls of its own ``save_pretrained`` (and raising on rank 0 when
+    ``fail_on_writer``: a full disk on the writer)."""
+    tok = hf_objects.fast_tokenizer()
+
+    class Counting(type(tok)):  # type: ignore[misc]
+        calls = 0
+
+        def save_pretrained(self, *args: Any, **kwargs: Any) -> Any:
+            type(self).calls += 1
+            if fail_on_writer and os.environ["RANK"] == "0":
+                raise OSError(28, "No space left on device (the writer's)")
+            return super().save_pretrained(*args, **kwargs)
+
+    tok.__class__ = Counting
+    return tok
+
+
+def _replicated_saves_in_a_checkpoint(rank: int, world: int, root: str) -> dict[str, Any]:
+    import torch.distributed.checkpoint as dcp
+
+    ckpts = safeio.Checkpoints(root, keep=3, timeout=60)
+    every, guarded, failing = _counting_tokenizer(), _counting_tokenizer(), _counting_tokenizer(True)
+    with ckpts.save(1) as ckpt:
+        dcp.save(_state(1), checkpoint_id=ckpt.path)
+        returned = safeio.save_pretrained(every, os.path.join(ckpt.path, "tokenizer"))  # every rank
+        if rank == 0:  # the already-guarded shape: nobody waits for its result, nothing hangs
+            safeio.save_pretrained(guarded, os.path.join(ckpt.path, "guarded"))
+    error = ""
+    try:
+        with ckpts.save(2) as ckpt:
+            dcp.save(_state(2), checkpoint_id=ckpt.path)  # collective: every rank has seen the stage
+            safeio.save_pretrained(failing, os.path.join(ckpt.path, "tokenizer"))
+    except (safeio.SafeIOError, OSError) as exc:
+        error = f"{type(exc).__name__}: {exc}"
+    latest = ckpts.latest()
+    return {
+        "calls": every.calls,
+        "returned": [str(p) for p in returned],
+        "error": error,
+        "latest": latest.step if latest else None,
+    }
+
+
+def test_peers_in_a_checkpoint_skip_replicated_saves_and_return_the_writers_result(shared_dir: Path) -> None:
+    """Issue 26, item 4: inside a checkpoint only the writer's replicated files are kept, so a peer's
+    ``save_pretrained`` does not serialise the object at all (on main every rank did, into scratch it then
+    deleted, and returned paths in that scratch); it returns what the writer's call returned, and raises
+    when the writer's save failed."""
+    root = shared_dir / "ckpts"
+    results = run_ranks(_replicated_saves_in_a_checkpoint, 4, str(root), timeout=200)
+    writer = results[0].value
+    assert writer["calls"] == 1
+    assert writer["returned"] and all(p.startswith(str(root) + "/.step_1.") for p in writer["returned"])
+    for r in results[1:]:
+        assert r.value["calls"] == 0, r  # the object was never serialised on a peer
+        assert r.value["returned"] == writer["returned"], r
+        assert "RemoteWriterError" in r.value["error"] and "No space left" in r.value["error"], r
+    assert "No space left" in writer["error"]
+    assert all(r.value["latest"] == 1 for r in results)
+    step = root / "step_1"
+    assert sorted(os.listdir(step / "tokenizer")) == sorted(os.path.basename(p) for p in writer["returned"])
+    assert (step / "guarded" / "tokenizer.json").is_file()
+    assert [n for n in os.listdir(root) if ".safeio-stage" in n] == []

@@ -33,7 +33,7 @@ from typing import Any
 
 from safeio._checkpoints.pending import PendingCommit, check_future
 from safeio._coordination.calls import StoreGone, poll_until
-from safeio._coordination.checkpoint_call import CheckpointCall
+from safeio._coordination.checkpoint_call import CheckpointCall, NestedResults
 from safeio._coordination.group import Group, resolve_group
 from safeio._errors import CheckpointError, InvalidOptionError, InvalidTargetError, PeerTimeout
 from safeio._options import SaveOptions
@@ -345,6 +345,7 @@ class CheckpointSave:
         self._stage = ""
         self._scratch: str | None = None
         self._entry: active.ActiveStage | None = None
+        self._results: NestedResults | None = None
 
     @property
     def timeout(self) -> float:
@@ -401,10 +402,15 @@ class CheckpointSave:
         stage = steps.url(self.stage_name)
         if not (group.is_writer and steps.in_place_replicated):
             self._scratch = tempfile.mkdtemp(prefix="safeio-ckpt-")
-        # Replicated saves made inside the body (save_pretrained, torch_save) write once: the writer's
-        # into the stage (on object stores: into scratch, uploaded at the commit), the other ranks' into
-        # scratch. Sharded writers (dcp.save) write the stage.
-        self._entry = active.ActiveStage(self.final, stage, replicated=self._scratch or stage)
+        # Replicated saves made inside the body (save_pretrained, torch_save) are made by the writer alone,
+        # into the stage (on object stores: into scratch, uploaded at the commit); the other ranks skip
+        # them and get the writer's result (NestedResults). Their scratch holds only what a model's
+        # save_pretrained writes there (every rank calls it: its state may be gathered collectively).
+        # Sharded writers (dcp.save) write the stage.
+        self._results = NestedResults(call, self.timeout)
+        self._entry = active.ActiveStage(
+            self.final, stage, replicated=self._scratch or stage, results=self._results
+        )
         active.push(self._entry)
         return CheckpointStage(self, stage, group.is_writer)
 
@@ -476,6 +482,9 @@ class CheckpointSave:
             failed, missing = {rank: f"{type(exc).__name__}: {exc}"}, []
         else:
             failed, missing = self.call.collect(time.monotonic() + self.timeout)
+        if self._results is not None:
+            # Every rank has reported (after its body), or never will: nobody waits for these any more.
+            self.call.delete(self._results.published)
         if failed or missing:
             _abandon(promotion)
             outcome = {"ok": False, "failed": {str(r): e for r, e in failed.items()}, "missing": missing}

@@ -11,6 +11,23 @@ from __future__ import annotations
 
 import threading
 from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+
+class WriterResults(Protocol):
+    """How a save nested in a stage that only the writer keeps (a checkpoint's) hands the writer's return
+    value to the other ranks, which then never make the save at all (their files would be thrown away).
+    Saves are told apart by ``identity`` (``safeio._saves.identity``), numbered per stage."""
+
+    @property
+    def writes(self) -> bool:
+        """Whether this rank makes the nested saves itself (the writer; any rank without a store)."""
+
+    def publish(self, identity: str, value: Any, error: BaseException | None) -> None:
+        """The writer: what its save of ``identity`` returned (or raised)."""
+
+    def hear(self, identity: str) -> Any:
+        """The other ranks: what the writer's save of ``identity`` returned; raises what it raised."""
 
 
 @dataclass(frozen=True)
@@ -21,6 +38,9 @@ class ActiveStage:
     # Where saves nested in it write, when not the stage itself: a checkpoint's stage is shared by every
     # rank (sharded files), but its replicated files are written by one rank; the others' go to scratch.
     replicated: str | None = None
+    # Set when the other ranks' replicated files would be thrown away (a checkpoint's scratch): they skip
+    # such saves and are handed the writer's result instead.
+    results: WriterResults | None = None
 
 
 _lock = threading.Lock()
@@ -37,6 +57,12 @@ def _within(path: str, root: str) -> str | None:
 
 def redirect(path: str) -> str | None:
     """Where ``path`` lives inside an active stage of this thread, or None if none covers it."""
+    found = covering(path)
+    return found[0] if found is not None else None
+
+
+def covering(path: str) -> tuple[str, ActiveStage] | None:
+    """Where ``path`` lives inside an active stage of this thread, and that stage; None if none covers it."""
     thread = threading.get_ident()
     with _lock:
         for entry in reversed(_active):
@@ -47,7 +73,7 @@ def redirect(path: str) -> str | None:
                 rel = _within(path, entry.target)
             if rel is not None:
                 base = entry.replicated or entry.stage
-                return base if rel == "" else f"{base}/{rel}"
+                return (base if rel == "" else f"{base}/{rel}"), entry
     return None
 
 

@@ -25,6 +25,7 @@ from safeio._diagnostics.collectives import writer_only_section
 from safeio._errors import UnsupportedSaveError
 from safeio._options import LockSetting, Mode, SaveOptions
 from safeio._promotion import active
+from safeio._saves.identity import save_identity
 from safeio._saves.replicated import ReplicatedSave, Stage
 from safeio._storage.location import resolve
 
@@ -129,13 +130,16 @@ def save_through(
             "with safeio, then push from one process",
             location.url(),
         )
-    nested = active.redirect(location.url())  # a local target's absolute path, or its URL
-    if nested is not None:
+    covered = active.covering(location.url())  # a local target's absolute path, or its URL
+    what = f"{type(obj).__module__}.{type(obj).__qualname__}"
+    if covered is not None:
+        nested, entry = covered
+        if entry.results is not None and not _is_model(obj):
+            return _save_nested_once(entry.results, what, nested, location.given, method, args, hf_kwargs)
         # A save inside a save (a processor saving its tokenizer): write straight into the open stage,
         # with no second stage, lock, counter or wait (peers never make this nested call).
         return method(nested, *args, **hf_kwargs)
     is_model = _is_model(obj)
-    what = f"{type(obj).__module__}.{type(obj).__qualname__}"
     with ReplicatedSave(location.given, options, group=group, what=what, peer_body=is_model) as stage:
         if is_model:
             # state_dict gathering may be collective: every rank calls, only the writer's stage is kept.
@@ -144,6 +148,30 @@ def save_through(
         elif stage.is_writer:
             _run(stage, location.given.rstrip("/"), method, args, hf_kwargs, writer_only=True)
     return stage.result
+
+
+def _save_nested_once(
+    results: active.WriterResults,
+    what: str,
+    nested: str,
+    given: str,
+    method: Callable[..., Any],
+    args: tuple[Any, ...],
+    hf_kwargs: dict[str, Any],
+) -> Any:
+    """A save inside a stage only the writer's files of are kept (a checkpoint's): the writer saves, the
+    others do not serialise the object at all and return the writer's result (paths as the caller gave
+    them: the writer's may be in its scratch, on object stores)."""
+    identity = save_identity(what)
+    if not results.writes:
+        return results.hear(identity)
+    try:
+        value = _rewrite(method(nested, *args, **hf_kwargs), nested, given.rstrip("/"))
+    except BaseException as exc:
+        results.publish(identity, None, exc)  # every rank raises what the writer raised
+        raise
+    results.publish(identity, value, None)
+    return value
 
 
 def _run(

@@ -204,8 +204,9 @@ def _viewed_as(stage: str, folder: str) -> Iterator[str]:
     view = tempfile.mkdtemp(prefix="safeio-trainer-")
     link = os.path.join(view, folder)
     os.symlink(stage, link)
-    redirect = active.redirect(stage)
-    entry = active.ActiveStage(link, stage, replicated=redirect)
+    covered = active.covering(stage)
+    redirect, results = (covered[0], covered[1].results) if covered is not None else (None, None)
+    entry = active.ActiveStage(link, stage, replicated=redirect, results=results)
     active.push(entry)
     try:
         yield view

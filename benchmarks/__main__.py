@@ -52,6 +52,11 @@ def _registry(disk: str, tmpfs: str) -> dict[str, Callable[[bool], Result]]:
 
         return checkpoints.run(quick, disk=disk)
 
+    def rank_fsyncs(quick: bool) -> Result:
+        from benchmarks import rank_fsyncs
+
+        return rank_fsyncs.run(quick, disk=disk)
+
     def history(quick: bool) -> Result:
         from benchmarks import history
 
@@ -74,6 +79,7 @@ def _registry(disk: str, tmpfs: str) -> dict[str, Callable[[bool], Result]]:
         "promotion": promotion,
         "control": control,
         "checkpoints": checkpoints,
+        "rank_fsyncs": rank_fsyncs,
         "history": history,
         "peers": peers,
         "seed": seed,

@@ -627,6 +627,7 @@ def _replicated_saves_in_a_checkpoint(rank: int, world: int, root: str) -> dict[
     except (safeio.SafeIOError, OSError) as exc:
         error = f"{type(exc).__name__}: {exc}"
     latest = ckpts.latest()
+    _every_rank_past_dcp(rank, world, "end")  # rank 0 hosts the store: it leaves last
     return {
         "calls": every.calls,
         "returned": [str(p) for p in returned],
@@ -655,3 +656,49 @@ def test_peers_in_a_checkpoint_skip_replicated_saves_and_return_the_writers_resu
     assert sorted(os.listdir(step / "tokenizer")) == sorted(os.path.basename(p) for p in writer["returned"])
     assert (step / "guarded" / "tokenizer.json").is_file()
     assert [n for n in os.listdir(root) if ".safeio-stage" in n] == []
+
+
+def _fsyncs_per_rank(rank: int, world: int, root: str) -> dict[str, Any]:
+    """A durable checkpoint with DCP's own fsync off, every ``os.fsync`` of this rank recorded by the
+    path of the file it synced."""
+    import stat
+
+    import torch.distributed.checkpoint as dcp
+
+    synced: list[str] = []
+    real_fsync = os.fsync
+
+    def recording_fsync(fd: Any) -> None:
+        if stat.S_ISREG(os.fstat(fd).st_mode):
+            synced.append(os.readlink(f"/proc/self/fd/{fd}"))
+        real_fsync(fd)
+
+    os.fsync = recording_fsync  # type: ignore[assignment]
+    try:
+        ckpts = safeio.Checkpoints(root, timeout=60)
+        with ckpts.save(1) as ckpt:
+            writer = dcp.FileSystemWriter(ckpt.path, sync_files=False)
+            dcp.save(_state(1), storage_writer=writer)
+            safeio.save_pretrained(hf_objects.fast_tokenizer(), os.path.join(ckpt.path, "tokenizer"))
+            stage = ckpt.path
+    finally:
+        os.fsync = real_fsync
+    return {"synced": [os.path.relpath(p, stage) for p in synced if p.startswith(stage + "/")]}
+
+
+def test_each_rank_syncs_its_share_of_a_durable_checkpoint(shared_dir: Path) -> None:
+    """Issue 26, item 3: with DCP's own fsync off, a durable commit's file fsyncs are shared out among
+    the ranks, which sync their shares at once; the writer syncs its own share and the manifest, not
+    every rank's files one after another (on main it synced all of them, and no other rank any)."""
+    root = shared_dir / "ckpts"
+    results = run_ranks(_fsyncs_per_rank, 4, str(root), timeout=200)
+    synced = {r.rank: r.value["synced"] for r in results}
+    step = root / "step_1"
+    files = sorted(
+        str(p.relative_to(step)) for p in step.rglob("*") if p.is_file() and p.name != ".safeio-manifest.json"
+    )
+    everyone = [name for names in synced.values() for name in names if name != ".safeio-manifest.json"]
+    assert sorted(everyone) == files, synced  # every file synced, each by exactly one rank
+    for rank, names in synced.items():
+        assert names, f"rank {rank} synced no file: {synced}"
+    assert len(synced[0]) < len(files) / 2, synced  # the writer synced its share, not everyone's

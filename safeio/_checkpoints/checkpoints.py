@@ -2,9 +2,11 @@
 
 Every rank enters ``save(step)``: the writer makes one stage beside the step's final name and tells the
 others its name through the store; every rank writes its part there (``dcp.save`` shards; replicated
-files through safeio's saves, which write once — the writer's — straight into the stage, the other
-ranks' into scratch). On leaving, every rank reports its part; the writer waits for all reports, bounded,
-then writes the manifest of every file (the commit marker), fsyncs, renames the stage to the final name,
+files through safeio's saves, which the writer alone makes, straight into the stage; the other
+ranks skip them and get the writer's result). On leaving, every rank reports its part; the writer waits
+for all reports, bounded; when durable, every rank syncs a share of the stage's files at once
+(``FsyncShares``); the writer then writes the manifest of every file (the commit marker), fsyncs it and the
+directories, renames the stage to the final name,
 points ``latest`` at the newest committed step, applies retention, and publishes the outcome. Every rank
 returns once the step is visible from it, or raises `CheckpointError` naming the ranks that failed or
 never reported; then nothing is committed and ``latest`` is unchanged.
@@ -33,13 +35,20 @@ from typing import Any
 
 from safeio._checkpoints.pending import PendingCommit, check_future
 from safeio._coordination.calls import StoreGone, poll_until
-from safeio._coordination.checkpoint_call import CheckpointCall, NestedResults
+from safeio._coordination.checkpoint_call import (
+    CheckpointCall,
+    FsyncShares,
+    NestedResults,
+    hear_fsync_share,
+    report_synced,
+)
 from safeio._coordination.group import Group, resolve_group
 from safeio._errors import CheckpointError, InvalidOptionError, InvalidTargetError, PeerTimeout
 from safeio._options import SaveOptions
 from safeio._promotion import active
 from safeio._promotion.backends import backend_for
 from safeio._promotion.steps import LATEST, MEGATRON_TRACKER, StepNames, StepPromotion, check_step
+from safeio._storage.dirfd import fsync_files, held_directory, is_relative_name
 from safeio._storage.fsops import discard_tree
 from safeio._who import who
 
@@ -346,6 +355,7 @@ class CheckpointSave:
         self._scratch: str | None = None
         self._entry: active.ActiveStage | None = None
         self._results: NestedResults | None = None
+        self._syncs = False  # whether the ranks share out the commit's fsyncs (FsyncShares)
 
     @property
     def timeout(self) -> float:
@@ -371,7 +381,9 @@ class CheckpointSave:
             except BaseException as exc:
                 call.announce({"ok": False, "error": f"{type(exc).__name__}: {exc}"})
                 raise
-            call.announce({"ok": True, "stage": self.stage_name})
+            # Whether every rank syncs a share of the stage's files before the commit (durable, POSIX).
+            self._syncs = self._promotion.shares_fsyncs and call.shared
+            call.announce({"ok": True, "stage": self.stage_name, "sync": self._syncs})
         else:
             heard = call.hear_announcement(deadline)
             if not (isinstance(heard, dict) and heard.get("ok") and isinstance(heard.get("stage"), str)):
@@ -383,6 +395,7 @@ class CheckpointSave:
                     failed={group.writer: str(error)},
                 )
             self.stage_name = heard["stage"]
+            self._syncs = heard.get("sync") is True
             if not steps.is_stage_of(self.stage_name, self.step):
                 # Joined to the root, an absolute or dotted name would send this rank's shards elsewhere.
                 raise CheckpointError(
@@ -449,6 +462,8 @@ class CheckpointSave:
         deadline = time.monotonic() + 2 * self.timeout
         rank, what = self.group.rank, f"step {self.step}"
         try:
+            if self._syncs:
+                self._sync_share(deadline)
             outcome = self.call.hear_outcome(deadline)
         except StoreGone as gone:
             # The writer decided and its process (the store's host) finished: a committed step on disk
@@ -462,6 +477,21 @@ class CheckpointSave:
             raise _failure(outcome, rank, self.step, self.final)
         self._note_warnings(outcome.get("warnings"))
         self.ckpts._wait_visible(self.final_name, deadline, rank, what, stage=False)
+
+    def _sync_share(self, deadline: float) -> None:
+        """This rank's share of the commit's fsyncs (see FsyncShares), at the same time as every other
+        rank's; the files it cannot sync are named back, and the writer syncs them."""
+        share = hear_fsync_share(self.call, deadline)
+        if share is None:
+            return  # the writer decided first: nothing will be committed
+        left = [rel for rel in share if not is_relative_name(rel)]  # input: never a path out of the stage
+        wanted = [rel for rel in share if is_relative_name(rel)]
+        try:
+            with held_directory(self.ckpts._steps.url(self.stage_name)) as stage_fd:
+                left += fsync_files(stage_fd, wanted)
+        except OSError:
+            left = share  # the stage cannot be opened from here (yet): the writer syncs them
+        report_synced(self.call, left)
 
     def _note_warnings(self, warnings: object) -> None:
         if not isinstance(warnings, list):
@@ -482,9 +512,6 @@ class CheckpointSave:
             failed, missing = {rank: f"{type(exc).__name__}: {exc}"}, []
         else:
             failed, missing = self.call.collect(time.monotonic() + self.timeout)
-        if self._results is not None:
-            # Every rank has reported (after its body), or never will: nobody waits for these any more.
-            self.call.delete(self._results.published)
         if failed or missing:
             _abandon(promotion)
             outcome = {"ok": False, "failed": {str(r): e for r, e in failed.items()}, "missing": missing}
@@ -494,7 +521,8 @@ class CheckpointSave:
             raise _failure(outcome, rank, self.step, self.final)
         try:
             # The stage the writer's replicated files are in: the shared one, or scratch (uploaded).
-            promoted = promotion.finish(self._scratch or self._stage)
+            shares = FsyncShares(self.call, self.timeout) if self._syncs else None
+            promoted = promotion.finish_step(self._scratch or self._stage, shares)
         except BaseException as commit_error:
             _abandon(promotion)
             self.call.decide(

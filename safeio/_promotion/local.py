@@ -28,7 +28,14 @@ from safeio._errors import InvalidTargetError, PromotionError, TargetExistsError
 from safeio._options import SaveOptions
 from safeio._promotion.base import Promoted, Promotion
 from safeio._storage import claims, manifest
-from safeio._storage.dirfd import fsync_fd_tree, held_directory, identity, lstat_at, open_directory
+from safeio._storage.dirfd import (
+    fsync_fd_tree,
+    fsync_files_below,
+    held_directory,
+    identity,
+    lstat_at,
+    open_directory,
+)
 from safeio._storage.fsops import remove_at
 from safeio._storage.location import Location
 from safeio._storage.locking import held, lock_path_for, make_lock
@@ -235,9 +242,15 @@ class LocalPromotion(Promotion):
         self.check_staged(self.contents.content)
         self.phase("fsync")
         if self.options.durable:
+            self._sync_files()
             # The stage directory itself once the manifest (and a merge's intent) is in it: seal_stage.
-            fsync_fd_tree(self.stage_fd, root=False)
+            fsync_fd_tree(self.stage_fd, root=False, files=False)
         return self.contents.entries
+
+    def _sync_files(self) -> None:
+        """Durable saves: every regular file of the stage reaches the disk (a checkpoint's are shared
+        out among its ranks: ``StepRename``)."""
+        fsync_files_below(self.stage_fd)
 
     def seal_stage(self) -> None:
         """Durable saves: the stage's entries (its files, the manifest, a merge's intent) reach the disk

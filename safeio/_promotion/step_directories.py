@@ -23,8 +23,9 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 from safeio._boundary import os_failure
-from safeio._errors import InvalidTargetError, SafeIOError, TargetExistsError
+from safeio._errors import InvalidTargetError, PromotionError, SafeIOError, TargetExistsError
 from safeio._promotion.atomic_file import AtomicFile
+from safeio._promotion.base import Promoted
 from safeio._promotion.leftovers import recover_directory
 from safeio._promotion.local import LocalPromotion
 from safeio._promotion.steps import (
@@ -32,12 +33,13 @@ from safeio._promotion.steps import (
     MEGATRON_TRACKER,
     SEQUENCE,
     CommittedStep,
+    SharedFsyncs,
     StepNames,
     StepPromotion,
     StepStorage,
 )
 from safeio._storage import claims
-from safeio._storage.dirfd import held_directory, is_component, lstat_at
+from safeio._storage.dirfd import fsync_files, held_directory, is_component, lstat_at
 from safeio._storage.fsops import remove_at
 from safeio._storage.location import Location
 from safeio._storage.names import parse, sibling_name
@@ -65,6 +67,30 @@ class StepRename(LocalPromotion, StepPromotion):
         self._steps = steps
         self._protect = protect
         self._renamed = False
+        self._fsyncs: SharedFsyncs | None = None
+        self.shares_fsyncs = self.options.durable
+
+    def finish_step(self, stage: str, fsyncs: SharedFsyncs | None = None) -> Promoted:
+        self._fsyncs = fsyncs
+        return self.finish(stage)
+
+    def _sync_files(self) -> None:
+        # Each rank syncs its share of the files at the same time; the writer its own, then whatever
+        # another rank could not (see CheckpointSave). The manifest and the directories stay the writer's.
+        if self._fsyncs is None or not self.options.manifest:  # no manifest entries: no list to share
+            super()._sync_files()
+            return
+        sizes = {rel: int(entry.get("size", 0)) for rel, entry in self.contents.entries.items()}
+        own = self._fsyncs.hand_out(sizes)
+        left = fsync_files(self.stage_fd, own)
+        left += self._fsyncs.left_over()
+        unsynced = fsync_files(self.stage_fd, left)
+        if unsynced:
+            raise PromotionError(
+                f"could not sync {', '.join(unsynced[:5])} of the stage of step {self.step} "
+                f"({len(unsynced)} file(s)): they vanished or cannot be opened; nothing was committed",
+                self.target,
+            )
 
     def check_target(self) -> None:
         if self._target_stat() is not None:

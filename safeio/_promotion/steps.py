@@ -15,10 +15,11 @@ import threading
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from typing import Protocol
 
 from safeio._errors import InvalidOptionError
 from safeio._options import SaveOptions
-from safeio._promotion.base import Promotion
+from safeio._promotion.base import Promoted, Promotion
 from safeio._storage.dirfd import is_component
 from safeio._storage.readers import TargetReader
 from safeio._threads import start_background
@@ -59,13 +60,34 @@ def check_step(step: object, root: str) -> int:
     return step
 
 
+class SharedFsyncs(Protocol):
+    """A durable commit's fsyncs of the stage's files, shared out among the checkpoint's ranks, which
+    sync their shares at the same time (as DCP's ranks each sync their own files), not one after another
+    on the writer. Made by the checkpoint layer, which knows the ranks."""
+
+    def hand_out(self, sizes: dict[str, int]) -> list[str]:
+        """The writer: give every rank its share of the files (relative name -> size); returns the
+        writer's own."""
+
+    def left_over(self) -> list[str]:
+        """The writer, once it synced its own share: the files other ranks did not sync (a rank that
+        never answered, a file it could not open), which the writer syncs itself."""
+
+
 class StepPromotion(Promotion):
-    """The commit of one step: ``open_stage`` on the writer before the body, ``finish`` once every rank
-    reported, ``discard`` when one failed. ``stage_name`` is what every rank writes under. The commit
+    """The commit of one step: ``open_stage`` on the writer before the body, ``finish_step`` once every
+    rank reported, ``discard`` when one failed. ``stage_name`` is what every rank writes under. The commit
     point is the step appearing under its name (a rename; an object store's marker): a failure before it
     commits nothing; after it (the ``latest`` pointer, retention) is a warning in ``Promoted.warnings``."""
 
     stage_name: str
+    # Whether the commit syncs the stage's files (a durable commit on a POSIX filesystem), so that the
+    # ranks can share the work out (``finish_step``'s ``fsyncs``).
+    shares_fsyncs = False
+
+    def finish_step(self, stage: str, fsyncs: SharedFsyncs | None = None) -> Promoted:
+        """Commit ``stage``; where the commit syncs files, ``fsyncs`` shares them out among the ranks."""
+        return self.finish(stage)
 
 
 @dataclass(frozen=True)

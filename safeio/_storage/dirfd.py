@@ -14,7 +14,7 @@ import contextlib
 import errno
 import os
 import stat
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 
 from safeio._storage.names import NAME_MAX
@@ -284,9 +284,8 @@ def remove_directory_at(dir_fd: int, name: str) -> None:
     os.rmdir(name, dir_fd=dir_fd)
 
 
-def fsync_fd_tree(dir_fd: int, *, root: bool = True) -> None:
-    """fsync every regular file and directory below ``dir_fd`` (children before their directory);
-    ``root=False`` leaves ``dir_fd`` itself to the caller (who adds entries to it first)."""
+def fsync_files_below(dir_fd: int) -> None:
+    """fsync every regular file below ``dir_fd``."""
     for _rel, fd, name, st in walk_files(dir_fd):
         if stat.S_ISREG(st.st_mode):
             file_fd, _ = open_regular_file(fd, name)
@@ -294,6 +293,44 @@ def fsync_fd_tree(dir_fd: int, *, root: bool = True) -> None:
                 os.fsync(file_fd)
             finally:
                 os.close(file_fd)
+
+
+def fsync_fd_tree(dir_fd: int, *, root: bool = True, files: bool = True) -> None:
+    """fsync every regular file and directory below ``dir_fd`` (children before their directory);
+    ``root=False`` leaves ``dir_fd`` itself to the caller (who adds entries to it first); ``files=False``
+    syncs the directories only (the caller synced the files)."""
+    if files:
+        fsync_files_below(dir_fd)
     for rel, fd in walk_directories(dir_fd):
         if rel or root:
             os.fsync(fd)
+
+
+def fsync_files(dir_fd: int, names: Iterable[str]) -> list[str]:
+    """fsync the regular files ``names`` (relative paths) below ``dir_fd``, following no link; return
+    those that could not be (missing, not a regular file, an error), for someone else to sync."""
+    by_directory: dict[str, list[str]] = {}
+    for rel in names:
+        head, _, name = rel.rpartition("/")
+        by_directory.setdefault(head, []).append(name)
+    left: list[str] = []
+    for head, members in sorted(by_directory.items()):
+        shown = [f"{head}/{n}" if head else n for n in members]
+        try:
+            fd = open_relative_directory(dir_fd, head)
+        except OSError:
+            left.extend(shown)
+            continue
+        try:
+            for name, rel in zip(members, shown, strict=True):
+                try:
+                    file_fd, _ = open_regular_file(fd, name)
+                    try:
+                        os.fsync(file_fd)
+                    finally:
+                        os.close(file_fd)
+                except OSError:
+                    left.append(rel)
+        finally:
+            os.close(fd)
+    return left

@@ -57,6 +57,11 @@ def _registry(disk: str, tmpfs: str) -> dict[str, Callable[[bool], Result]]:
 
         return rank_fsyncs.run(quick, disk=disk)
 
+    def async_blocking(quick: bool) -> Result:
+        from benchmarks import async_blocking
+
+        return async_blocking.run(quick, disk=disk)
+
     def history(quick: bool) -> Result:
         from benchmarks import history
 
@@ -80,6 +85,7 @@ def _registry(disk: str, tmpfs: str) -> dict[str, Callable[[bool], Result]]:
         "control": control,
         "checkpoints": checkpoints,
         "rank_fsyncs": rank_fsyncs,
+        "async_blocking": async_blocking,
         "history": history,
         "peers": peers,
         "seed": seed,

@@ -702,3 +702,53 @@ def test_each_rank_syncs_its_share_of_a_durable_checkpoint(shared_dir: Path) -> 
     for rank, names in synced.items():
         assert names, f"rank {rank} synced no file: {synced}"
     assert len(synced[0]) < len(files) / 2, synced  # the writer synced its share, not everyone's
+
+
+class _CloneRecordingStore:
+    """The job's store, recording which thread opens a new connection to it (``clone``)."""
+
+    def __init__(self, store: Any, clones: list[str]) -> None:
+        self._store = store
+        self.clones = clones
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._store, name)  # set, get, add, check, wait, delete_key
+
+    def clone(self) -> _CloneRecordingStore:
+        import threading
+
+        self.clones.append(threading.current_thread().name)
+        return _CloneRecordingStore(self._store.clone(), self.clones)
+
+
+def _async_commit_connects_off_the_training_thread(rank: int, world: int, root: str) -> dict[str, Any]:
+    import concurrent.futures
+    import threading
+
+    from torch.distributed import distributed_c10d as c10d
+
+    clones: list[str] = []
+    group = safeio.Group(rank, world, store=_CloneRecordingStore(c10d._get_default_store(), clones))
+    ckpts = safeio.Checkpoints(root, group=group, timeout=60)
+    upload: concurrent.futures.Future[None] = concurrent.futures.Future()
+    with ckpts.save(1) as ckpt:
+        safeio.torch_save({"step": 1}, os.path.join(ckpt.path, "trainer_state.pt"))
+        ckpt.commit_after(upload)
+    before_upload = list(clones)  # what the training thread waited for
+    upload.set_result(None)
+    ckpts.wait()
+    _every_rank_past_dcp(rank, world, "end")
+    return {"training": threading.current_thread().name, "before": before_upload, "all": clones}
+
+
+def test_an_async_commit_connects_to_the_store_on_its_own_thread(shared_dir: Path) -> None:
+    """Issue 26, item 5: the async commit's own connection to the store (a TCPStore clone: 2-24 ms here)
+    is made on the commit's thread once the upload is done, not on the training thread at the end of the
+    ``with`` block (on main every rank's training thread made it there)."""
+    results = run_ranks(
+        _async_commit_connects_off_the_training_thread, 2, str(shared_dir / "ckpts"), timeout=120
+    )
+    for r in results:
+        assert r.value["before"] == [], r  # nothing connected while training went on
+        assert r.value["all"] and all(name.startswith("safeio-commit") for name in r.value["all"]), r
+    assert (shared_dir / "ckpts" / "step_1" / "trainer_state.pt").is_file()

@@ -2,14 +2,13 @@
 
 Every rank enters ``save(step)``: the writer makes one stage beside the step's final name and tells the
 others its name through the store; every rank writes its part there (``dcp.save`` shards; replicated
-files through safeio's saves, which the writer alone makes, straight into the stage; the other
-ranks skip them and get the writer's result). On leaving, every rank reports its part; the writer waits
-for all reports, bounded; when durable, every rank syncs a share of the stage's files at once
-(``FsyncShares``); the writer then writes the manifest of every file (the commit marker), fsyncs it and the
-directories, renames the stage to the final name,
-points ``latest`` at the newest committed step, applies retention, and publishes the outcome. Every rank
-returns once the step is visible from it, or raises `CheckpointError` naming the ranks that failed or
-never reported; then nothing is committed and ``latest`` is unchanged.
+files through safeio's saves, which the writer alone makes, straight into the stage, while the other ranks
+skip them and get the writer's result). On leaving, every rank reports its part; the writer waits for all
+reports, bounded; when durable, every rank syncs a share of the stage's files at once (``FsyncShares``);
+the writer writes the manifest of every file (the commit marker), fsyncs it and the directories, renames
+the stage to the final name, points ``latest`` at the newest committed step, applies retention, and
+publishes the outcome. Every rank returns once the step is visible from it, or raises `CheckpointError`
+naming the ranks that failed or never reported; then nothing is committed and ``latest`` is unchanged.
 
 ``latest()``/``steps()`` are resolved by the writer and published, so ranks whose NFS caches disagree
 still get one answer, each returning once that step is visible from it.

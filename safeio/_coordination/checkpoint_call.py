@@ -17,14 +17,10 @@ import time
 from dataclasses import asdict
 from typing import Any
 
-from safeio._coordination.calls import StoreCall, StoreGone, digest, next_number
+from safeio._coordination.calls import SLICE, StoreCall, StoreGone, digest, next_number
 from safeio._coordination.channel import Outcome, decode_value, encode_value
 from safeio._coordination.group import Group
 from safeio._errors import CheckpointError, PeerTimeout
-
-# How long a rank waiting for the writer's nested save waits in one go before it looks whether the
-# checkpoint has failed meanwhile (the writer failed before it reached that save, and never will).
-_RESULT_SLICE = 2.0
 
 
 class DecidedFirst(Exception):
@@ -46,12 +42,16 @@ class CheckpointCall:
         *,
         call: StoreCall | None = None,
         published: list[str] | None = None,
+        announced_fsyncs: bool = False,
     ) -> None:
         self.group = group
         self.root = root
         self.what = what
         # Keys the writer set for the body's saves (NestedResults): deleted with the call's own keys.
         self.published: list[str] = published if published is not None else []
+        # Whether the writer told the ranks to wait for their fsyncs (FsyncShares), and has handed them out.
+        self.announced_fsyncs = announced_fsyncs
+        self.handed_out = False
         if call is None:
             prefix = f"safeio/ckpt/{digest(root, 16)}/{next_number(('checkpoints', root))}"
             call = StoreCall(group, prefix, root)
@@ -60,7 +60,12 @@ class CheckpointCall:
     def on_group(self, group: Group) -> CheckpointCall:
         """The same call through another connection to the store (the async commit's thread)."""
         return CheckpointCall(
-            group, self.root, self.what, call=self._call.on_group(group), published=self.published
+            group,
+            self.root,
+            self.what,
+            call=self._call.on_group(group),
+            published=self.published,
+            announced_fsyncs=self.announced_fsyncs,
         )
 
     @property
@@ -69,9 +74,6 @@ class CheckpointCall:
 
     def _set(self, name: str, value: Any) -> None:
         self._call.set(name, json.dumps(value))
-
-    def delete(self, names: list[str]) -> None:
-        self._call.delete(names)
 
     def _wait(
         self, name: str, deadline: float, waiting_for: str, *, slice_seconds: float | None = None
@@ -114,6 +116,7 @@ class CheckpointCall:
     def announce(self, value: Any) -> None:
         """The writer: something every rank needs before its body (the stage's name), or a failure."""
         if self.shared:
+            self.announced_fsyncs = isinstance(value, dict) and value.get("sync") is True
             self._set("announce", value)
 
     def hear_announcement(self, deadline: float) -> Any:
@@ -147,6 +150,10 @@ class CheckpointCall:
         """The writer: the outcome every rank returns or raises (and the keys of the body's saves, which
         the last rank to hear it deletes with the call's own)."""
         if self.shared:
+            if self.announced_fsyncs and not self.handed_out:
+                # Ranks that wait for their fsyncs after reporting learn there are none (a failure,
+                # or a commit that syncs nothing) without polling the outcome.
+                self._set("fsync", {"none": True})
             self._set("outcome", {**value, "drop": list(self.published)})
 
     def outcome_if_decided(self) -> dict[str, Any] | None:
@@ -224,7 +231,9 @@ class NestedResults:
         waiting_for = f"rank {self._call.group.writer}'s result of {identity}"
         deadline = time.monotonic() + self._timeout
         try:
-            raw = self._call._wait(name, deadline, waiting_for, slice_seconds=_RESULT_SLICE)
+            # The writer may have failed before it reached this save: the outcome is looked at between
+            # slices (long ones: each expired store wait logs a c10d warning), so the rank hears of it.
+            raw = self._call._wait(name, deadline, waiting_for, slice_seconds=SLICE)
         except DecidedFirst:
             raise CheckpointError(
                 f"rank {self._call.group.rank}: rank {self._call.group.writer} failed {self._call.what} of "
@@ -276,6 +285,7 @@ class FsyncShares:
         self._shares = shares
         self._deadline = time.monotonic() + self._timeout
         self._call._set("fsync", {str(rank): names for rank, names in shares.items()})
+        self._call.handed_out = True
         return shares[group.writer]
 
     def left_over(self) -> list[str]:
@@ -299,14 +309,11 @@ class FsyncShares:
 
 def hear_fsync_share(call: CheckpointCall, deadline: float) -> list[str] | None:
     """A rank other than the writer, after reporting its body: its share of the stage's files to sync;
-    None once the writer decided the outcome first (a failure: nothing will be committed)."""
-    try:
-        shares = call._wait(
-            "fsync", deadline, f"rank {call.group.writer}'s fsync shares", slice_seconds=_RESULT_SLICE
-        )
-    except DecidedFirst:
+    None when the writer decided the outcome without handing any out (a failure: nothing is committed)."""
+    shares = call._wait("fsync", deadline, f"rank {call.group.writer}'s fsync shares")
+    if not isinstance(shares, dict) or shares.get("none") is True:
         return None
-    share = shares.get(str(call.group.rank)) if isinstance(shares, dict) else None
+    share = shares.get(str(call.group.rank))
     return [str(name) for name in share] if isinstance(share, list) else []
 
 

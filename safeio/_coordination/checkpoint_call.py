@@ -22,6 +22,9 @@ from safeio._coordination.channel import Outcome, decode_value, encode_value
 from safeio._coordination.group import Group
 from safeio._errors import CheckpointError, PeerTimeout
 
+# How long the writer waits for the other ranks' fsyncs beyond four times its own share's (FsyncShares).
+_SYNC_GRACE = 30.0
+
 
 class DecidedFirst(Exception):
     """The writer decided the call's outcome before it set the key a rank was waiting for."""
@@ -264,13 +267,14 @@ class FsyncShares:
     miss their files. Any rank's fsync makes a file durable: on one machine the page cache is shared; on
     NFS a client's close() has already written its data to the server (close-to-open), where a COMMIT
     from any client makes it stable. Shares are balanced by size (the dirty bytes are what fsync costs).
-    A rank that does not answer in time costs only speed: the writer syncs its share itself."""
+    A rank that does not answer in time (four times as long as the writer took for its own share, and at
+    least 30 s) costs only speed: the writer syncs its share itself."""
 
     def __init__(self, call: CheckpointCall, timeout: float) -> None:
         self._call = call
         self._timeout = timeout
         self._shares: dict[int, list[str]] = {}
-        self._deadline = 0.0
+        self._handed_at = 0.0
 
     def hand_out(self, sizes: dict[str, int]) -> list[str]:
         group = self._call.group
@@ -283,18 +287,23 @@ class FsyncShares:
             shares[rank].append(rel)
             loads[rank] += max(size, 1)
         self._shares = shares
-        self._deadline = time.monotonic() + self._timeout
+        self._handed_at = time.monotonic()
         self._call._set("fsync", {str(rank): names for rank, names in shares.items()})
         self._call.handed_out = True
         return shares[group.writer]
 
     def left_over(self) -> list[str]:
+        # Shares are balanced by size, so a rank still syncing long after the writer finished its own is
+        # stuck, or died after its report: rather than hold the commit for the whole timeout, the writer
+        # then syncs that share itself (a second fsync of a file is harmless).
+        now = time.monotonic()
+        deadline = min(self._handed_at + self._timeout, now + max(_SYNC_GRACE, 4 * (now - self._handed_at)))
         left: list[str] = []
         for rank, share in sorted(self._shares.items()):
             if rank == self._call.group.writer or not share:
                 continue
             try:
-                answer = self._call._wait(f"synced/{rank}", self._deadline, f"rank {rank}'s fsyncs")
+                answer = self._call._wait(f"synced/{rank}", deadline, f"rank {rank}'s fsyncs")
             except PeerTimeout:
                 left.extend(share)  # never answered: its share is the writer's
                 continue

@@ -17,7 +17,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from benchmarks._core import Result, fs_type, ratio_row, ratios, scratch
+from benchmarks._core import Result, Row, Spread, fs_type, ratio_row, ratios, scratch
 from benchmarks._ranks import walls
 
 NAME = "async_blocking"
@@ -78,29 +78,43 @@ def _rank(rank: int, world: int, reps: int, root: str, megabytes: int) -> dict[s
 def run(quick: bool, *, disk: str) -> Result:
     from safeio.testing.ranks import run_ranks
 
-    megabytes = 64 if quick else 512
+    # The target's size, and a small one: there what safeio adds stands out of the noise in milliseconds.
+    sizes = (1, 64) if quick else (1, 512)
     reps = 3 if quick else 15
     result = Result(
         NAME,
         "12. Async checkpoints: the time training is blocked, safeio / bare dcp.async_save",
         __doc__.split("\n\n", 1)[1].strip(),
-        params={"world": WORLD, "size_mb": megabytes, "reps": reps, "disk": disk, "fs": fs_type(disk)},
+        params={"world": WORLD, "sizes_mb": list(sizes), "reps": reps, "disk": disk, "fs": fs_type(disk)},
     )
-    with scratch(disk) as root:
-        per_rank = [r.value["spans"] for r in run_ranks(_rank, WORLD, reps, root, megabytes, timeout=3600)]
-    wall = {m: walls(per_rank, m) for m in METHODS}
-    result.samples[f"{megabytes}MB"] = wall
-    result.rows.append(
-        ratio_row(
-            f"12. time an async save blocks training, safeio / bare dcp.async_save, {WORLD} ranks, "
-            f"{megabytes} MB of state",
-            "from the first rank entering the save to the last getting control back (upload and commit "
-            "on background threads, waited for outside the span)",
-            "≤ 1.05x",
-            ratios(wall["safeio"], wall["bare dcp.async_save"]),
-            1.05,
+    for megabytes in sizes:
+        with scratch(disk) as root:
+            per_rank = [
+                r.value["spans"] for r in run_ranks(_rank, WORLD, reps, root, megabytes, timeout=3600)
+            ]
+        wall = {m: walls(per_rank, m) for m in METHODS}
+        result.samples[f"{megabytes}MB"] = wall
+        result.rows.append(
+            ratio_row(
+                f"12. time an async save blocks training, safeio / bare dcp.async_save, {WORLD} ranks, "
+                f"{megabytes} MB of state",
+                "from the first rank entering the save to the last getting control back (upload and commit "
+                "on background threads, waited for outside the span)",
+                "≤ 1.05x" if megabytes == sizes[-1] else "informational",
+                ratios(wall["safeio"], wall["bare dcp.async_save"]),
+                1.05 if megabytes == sizes[-1] else None,
+            )
         )
-    )
-    blocked = {m: sorted(wall[m])[len(wall[m]) // 2] * 1000 for m in METHODS}
-    result.params["median_blocked_ms"] = {m: round(v, 1) for m, v in blocked.items()}
+        added = [a - b for a, b in zip(wall["safeio"], wall["bare dcp.async_save"], strict=True)]
+        result.rows.append(
+            Row(
+                f"12. what safeio adds to the blocked time, {megabytes} MB",
+                "per repetition, safeio's blocked time minus bare dcp.async_save's (the stage's announcement, "
+                "the writer's result of the tokenizer save heard by the other ranks, handing the commit over)",
+                "informational",
+                Spread.of(added).scaled(1000),
+                "ms",
+                None,
+            )
+        )
     return result

@@ -453,7 +453,7 @@ def case3_verify_never_opens_a_listed_device_or_fifo(share: Share) -> None:
     os.symlink("/dev/zero", target / "zero")
     os.mkfifo(target / "pipe")
     record = json.loads((target / MANIFEST_NAME).read_text())
-    record["files"]["zero"] = {"size": 0, "sha256": "0" * 64}
+    record["files"]["zero"] = {"size": 0, "xxh3_128": "0" * 32}
     record["files"]["pipe"] = {"size": 0, "sha256": "0" * 64}
     (target / MANIFEST_NAME).write_text(json.dumps(record))
     problems = safeio.verify(target)

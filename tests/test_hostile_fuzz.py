@@ -65,7 +65,7 @@ MANIFEST_LIKE = st.fixed_dictionaries(
     {
         "files": st.dictionaries(
             HOSTILE_NAMES,
-            st.fixed_dictionaries({"size": JSON}, optional={"sha256": JSON}) | JSON,
+            st.fixed_dictionaries({"size": JSON}, optional={"sha256": JSON, "xxh3_128": JSON}) | JSON,
             max_size=4,
         )
     },

@@ -28,7 +28,7 @@ from safeio._errors import InvalidTargetError, PromotionError, TargetExistsError
 from safeio._options import SaveOptions
 from safeio._promotion.base import Promoted, Promotion
 from safeio._storage import claims, manifest
-from safeio._storage.dirfd import fsync_fd_tree, held_directory, identity, lstat_at, open_directory
+from safeio._storage.dirfd import held_directory, identity, lstat_at, open_directory
 from safeio._storage.fsops import remove_at
 from safeio._storage.location import Location
 from safeio._storage.locking import held, lock_path_for, make_lock
@@ -56,7 +56,7 @@ class LocalPromotion(Promotion):
 
     # A target that does not exist yet becomes the stage by one rename (every behaviour but Versioned).
     renames_fresh_target = True
-    # Whether a durable save records sha256 of every file (see safeio._storage.manifest for the cost); a
+    # Whether a durable save records a checksum of every file (safeio._storage.digests); a
     # checkpoint's gigabytes of shards are described by their sizes.
     hashes_when_durable = True
     # Whether the promotion changed the parent's entries (a rename there), so that a durable save syncs
@@ -224,19 +224,20 @@ class LocalPromotion(Promotion):
 
     def _prepare(self, stage: str) -> dict[str, dict[str, Any]]:
         self.check_stage()
-        # Hashes only when durable: see safeio._storage.manifest for the cost.
-        describe = self.options.manifest
+        durable = self.options.durable
+        if durable:
+            self.phase("fsync")  # the walk below fsyncs every file as it checksums it
+        # One walk, one open per file: modes, checksums (durable only: see safeio._storage.manifest),
+        # fsyncs. The stage directory itself is synced once the manifest (and a merge's intent) is in it:
+        # seal_stage.
         self.contents = settle_stage(
             self.stage_fd,
             self._stage_mode,
-            describe=describe,
-            hashes=self.options.durable and self.hashes_when_durable,
+            describe=self.options.manifest,
+            hashes=durable and self.hashes_when_durable,
+            sync=durable,
         )
         self.check_staged(self.contents.content)
-        self.phase("fsync")
-        if self.options.durable:
-            # The stage directory itself once the manifest (and a merge's intent) is in it: seal_stage.
-            fsync_fd_tree(self.stage_fd, root=False)
         return self.contents.entries
 
     def seal_stage(self) -> None:

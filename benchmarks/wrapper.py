@@ -207,8 +207,8 @@ def run(quick: bool = False, disk: str = "/tmp", tmpfs: str = "/dev/shm") -> Res
             "title": "Where a safeio.save_pretrained of the 1 MB fast tokenizer spends its time (median ms per "
             "phase; 'enter' = group, channel and promoter setup, 'body' = the tokenizer's own save, 'manifest' "
             "= permissions + file list, 'fsync' (durable) = the same walk also checksumming (xxh3_128) and "
-            "fsyncing each file through one open, 'promote' = stale-stage scan, manifest, intent, renames, "
-            "the target's fsync, lock release)",
+            "fsyncing each file through one open, 'promote' = stale-stage scan, manifest (with the merge's "
+            "intent), renames, the target's fsync, lock release)",
             "header": ["phase", *breakdown],
             "rows": [[p, *(f"{b.get(p, 0.0):.2f}" for b in breakdown.values())] for p in phases]
             + [["total", *(f"{sum(b.values()):.2f}" for b in breakdown.values())]],
@@ -320,8 +320,9 @@ def _target_reasons(
             f"save ({(RATIO_LIMIT - 1) * plain:.2f} ms allowed); its phases outside the body take "
             + ", ".join(f"{p} {ms:.2f}" for p, ms in outside.items())
             + f" ms ({sum(outside.values()):.2f} ms, measured apart from the ratio runs, table below): the "
-            "stage, one walk of it, the lock, a listing for leftovers, the manifest, the merge's intent and "
-            "one rename per file; no single item is large enough to bring the total under the allowance."
+            "stage, one walk of it, the lock, a listing for leftovers, the manifest (with the merge's "
+            "intent) and one rename per file; no single item is large enough to bring the total under the "
+            "allowance."
         )
         by_hand = Spread.of(t["plain+fsync"]).median * 1e3
         extra = Spread.of(
@@ -336,7 +337,8 @@ def _target_reasons(
             f"{'met' if ratio <= DURABLE_LIMIT else 'missed'}. safeio adds {extra:.2f} ms to a {by_hand:.2f} ms "
             f"save ({(DURABLE_LIMIT - 1) * by_hand:.2f} ms allowed): its {ours_n:.0f} fsyncs take "
             f"{ours_s * 1e3:.2f} ms against the hand-made save's {user_n:.0f} in {user_s * 1e3:.2f} ms (the "
-            "files', the manifest's, the merge intent's, the stage's and the target's, each once; by hand: "
+            "files', the manifest's (which carries the merge's intent), the stage's and the target's, each "
+            "once; by hand: "
             "the files' and the directory's; a careful save of safeio's shape needs each of them), and the "
             f"walk that checksums (xxh3_128) and fsyncs each file through one open takes {walk:.2f} ms in all "
             "(its fsyncs included); the rest is the durable=False fixed cost above."

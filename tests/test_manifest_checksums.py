@@ -159,3 +159,49 @@ def test_a_durable_save_opens_each_staged_file_once_after_its_body(nfslike_mount
     # the subdirectory, the stage (its entries and the manifest's), the parent (the rename)
     assert counts.get("fsyncdir", 0) == 3, counts
     assert safeio.verify(nfslike_mount.path / "tok") == []
+
+
+def test_a_durable_merge_records_its_intent_in_the_manifest_one_fsync_fewer(nfslike_mount: Mount) -> None:
+    """A merge into an existing directory fsyncs each file, the manifest (which carries the merge's intent:
+    there is no intent file to create, fsync and remove), the stage and the target, each once."""
+    target = nfslike_mount.path / "checkpoint-1"
+    target.mkdir()
+    (target / "config.json").write_text("{}")  # the model's file, saved first (the Trainer's order)
+    files = {"tokenizer.json": os.urandom(300_000), "tokenizer_config.json": b"{}"}
+    with safeio.replicated(target, mode="merge", durable=True) as stage:
+        for rel, data in files.items():
+            Path(stage.path, rel).write_bytes(data)
+        nfslike_mount.reset_ops()
+    counts = nfslike_mount.ops().of(os.getpid())
+    assert counts.get("fsync", 0) == len(files) + 1, counts  # + the manifest (there were + 2: the intent)
+    assert counts.get("fsyncdir", 0) == 2, counts  # the stage, the target
+    assert counts.get("open_create", 0) == 2, counts  # the manifest and the lock's (and no intent)
+    record = json.loads((target / manifest.MANIFEST_NAME).read_bytes())
+    assert record[manifest.MERGE_INTENT_KEY] == {
+        "target_name": "checkpoint-1",
+        "files": [*sorted(files), manifest.MANIFEST_NAME],
+    }
+    assert safeio.verify(target) == [] and os.listdir(nfslike_mount.path) == ["checkpoint-1"]
+
+
+def test_a_merge_without_a_manifest_still_writes_its_intent_file(tmp_path: Path) -> None:
+    target = tmp_path / "checkpoint-1"
+    target.mkdir()
+    (target / "config.json").write_text("{}")
+    seen: list[bool] = []
+    from safeio._promotion import merge
+
+    original = merge.roll_forward
+
+    def watching(stage_fd: int, *args: Any, **kwargs: Any) -> None:
+        seen.append(os.path.exists(f"/proc/self/fd/{stage_fd}/{manifest.MERGE_INTENT_NAME}"))
+        original(stage_fd, *args, **kwargs)
+
+    merge.roll_forward = watching  # type: ignore[assignment]
+    try:
+        save(target, {"tokenizer.json": b"{}"}, mode="merge", manifest=False)
+    finally:
+        merge.roll_forward = original  # type: ignore[assignment]
+    assert seen == [True]
+    assert sorted(os.listdir(target)) == ["config.json", "tokenizer.json"]
+    assert [n for n in os.listdir(tmp_path) if "stage" in n] == []

@@ -371,8 +371,14 @@ class LocalPromotion(Promotion):
                     target,
                 )
 
-    def write_manifest(self, entries: dict[str, dict[str, Any]], previous_fd: int | None) -> None:
-        """Write the manifest into the stage last; ``previous_fd`` (merge) keeps other objects' entries."""
+    def write_manifest(
+        self,
+        entries: dict[str, dict[str, Any]],
+        previous_fd: int | None,
+        intent: dict[str, Any] | None = None,
+    ) -> None:
+        """Write the manifest into the stage last; ``previous_fd`` (merge) keeps other objects' entries;
+        ``intent`` (merge) is recorded in it for recovery (``manifest.MERGE_INTENT_KEY``)."""
         if not self.options.manifest:
             return
         old = load_manifest(previous_fd, manifest.MANIFEST_NAME) if previous_fd is not None else None
@@ -385,6 +391,8 @@ class LocalPromotion(Promotion):
             )
             old = None
         record = self.manifest_record(entries, old)
+        if intent is not None:
+            record[manifest.MERGE_INTENT_KEY] = intent
         self.version = manifest.write(self.stage_fd, record, durable=self.options.durable)
 
     @contextlib.contextmanager

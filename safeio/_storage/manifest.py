@@ -24,7 +24,10 @@ from safeio._storage.dirfd import held_directory, open_regular_file, open_relati
 from safeio._storage.metadata import Damaged, load_manifest
 
 MANIFEST_NAME = ".safeio-manifest.json"
-MERGE_INTENT_NAME = ".safeio-merge-intent.json"
+MERGE_INTENT_NAME = ".safeio-merge-intent.json"  # a merge's intent when it writes no manifest
+# A merge's intent inside its stage's manifest (format 2): the manifest moves into the target last, so it
+# leaves the stage only once every other file has, and one file (and one fsync) records both.
+MERGE_INTENT_KEY = "merge_intent"
 # 2: file checksums are xxh3_128 (1 recorded sha256; a merge keeps such entries, and both are checked).
 FORMAT = 2
 # Files inside a stage that describe the stage itself and are never listed as content.

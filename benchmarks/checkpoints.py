@@ -1,10 +1,12 @@
 """Figure 6 — a whole checkpoint: ``safeio.Checkpoints.save`` over what it replaces, on 4 gloo ranks.
 
 The baseline is the plain pattern: ``dcp.save`` on every rank into ``step_N`` plus the tokenizer saved
-by rank 0 and a barrier (no staging, no commit, no ``latest``). safeio's save does the same writes into
-a stage, then reports, commits (manifest, rename, ``latest``) and, here, keeps every step. Both are
-timed from the first rank entering to the last returning, interleaved, at two state sizes: the ratio
-shows the commit's cost, the difference between sizes whether that cost grows with the checkpoint.
+by rank 0 and a barrier (no staging, no commit, no ``latest``; ``dcp.save`` fsyncs each rank's shard and
+the ``.metadata``, as ``FileSystemWriter(sync_files=True)`` does by default, nothing else is fsynced).
+safeio's save does the same writes into a stage, then reports, commits (manifest, rename, ``latest``)
+and, here, keeps every step. Both are timed from the first rank entering to the last returning,
+interleaved, at two state sizes: the ratio shows the commit's cost, the difference between sizes whether
+that cost grows with the checkpoint.
 """
 
 from __future__ import annotations
@@ -100,7 +102,9 @@ def run(quick: bool, *, disk: str) -> Result:
         result.rows.append(
             ratio_row(
                 f"6. Checkpoints.save (durable) / plain, {WORLD} ranks, {megabytes} MB",
-                "the same with every file, the stage and the root fsynced (the plain pattern fsyncs nothing)",
+                "the same with every file, the stage and the root fsynced (dcp.save fsyncs each rank's shard "
+                "and its .metadata in both patterns, FileSystemWriter(sync_files=True) by default; the plain "
+                "pattern fsyncs neither the tokenizer nor any directory)",
                 "informational",
                 ratios(wall["safeio"], wall["plain"]),
                 None,

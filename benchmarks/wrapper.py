@@ -29,8 +29,10 @@ from benchmarks._core import (
 )
 
 NAME = "wrapper"
-# Issue 17's targets: the ratios for the realistic (~1 MB) tokenizer, the fixed cost for the toy one.
+# The targets (issues 17 and 26), for the realistic (~1 MB) tokenizer: durable=False against a plain
+# save, durable against a plain save made durable by hand; the fixed cost for the toy one.
 RATIO_LIMIT = 1.10
+DURABLE_LIMIT = 1.20
 FIXED_COST_LIMIT_MS = 0.5
 REALISTIC = "fast 1 MB"
 TOY_ON_TMPFS = ("fast", "tmpfs")
@@ -192,7 +194,7 @@ def run(quick: bool = False, disk: str = "/tmp", tmpfs: str = "/dev/shm") -> Res
         if spm_dir is not None:
             shutil.rmtree(spm_dir, ignore_errors=True)
     result.plots.append(plot)
-    tok = hf_objects.fast_tokenizer()
+    tok = kinds[REALISTIC]()
     breakdown = {
         f"{fs_name}, durable={durable}": _phases(tok, base, durable, 10 if quick else 60)
         for fs_name, base in filesystems.items()
@@ -202,9 +204,11 @@ def run(quick: bool = False, disk: str = "/tmp", tmpfs: str = "/dev/shm") -> Res
     phases = list(dict.fromkeys(p for b in breakdown.values() for p in b))
     result.tables.append(
         {
-            "title": "Where a safeio.save_pretrained of the fast tokenizer spends its time (median ms per phase; "
-            "'enter' = group, channel and promoter setup, 'body' = the tokenizer's own save, 'manifest' = "
-            "permissions + file list (+ sha256 if durable), 'promote' = stale-stage scan, renames, lock release)",
+            "title": "Where a safeio.save_pretrained of the 1 MB fast tokenizer spends its time (median ms per "
+            "phase; 'enter' = group, channel and promoter setup, 'body' = the tokenizer's own save, 'manifest' "
+            "= permissions + file list, 'fsync' (durable) = the same walk also checksumming (xxh3_128) and "
+            "fsyncing each file through one open, 'promote' = stale-stage scan, manifest (with the merge's "
+            "intent), renames, the target's fsync, lock release)",
             "header": ["phase", *breakdown],
             "rows": [[p, *(f"{b.get(p, 0.0):.2f}" for b in breakdown.values())] for p in phases]
             + [["total", *(f"{sum(b.values()):.2f}" for b in breakdown.values())]],
@@ -218,17 +222,7 @@ def run(quick: bool = False, disk: str = "/tmp", tmpfs: str = "/dev/shm") -> Res
         "Each saves into a fresh checkpoint directory that already exists, so safeio merges under the lock "
         "(a first save of a target that does not exist yet takes no lock: figure 3)."
     )
-    result.notes.append(
-        "Why the 1 MB ratios miss 1.10: the fixed cost measured in a loop of toy saves (about 0.5 ms: "
-        "stage, one walk, manifest, intent, lock, listing, renames) roughly doubles right after a 1 MB "
-        "save, whose serialisation leaves the CPU caches cold for safeio's Python path; the per-save work "
-        "left is spread over some 1,000 Python calls and 80 system calls, with no single large item. "
-        "A durable save also hashes every file for the manifest (sha256, the hashes `safeio verify` "
-        "checks): about 0.7 ms per MB here, some 15% of a 1 MB tokenizer's save on its own, which a "
-        "durable save made by hand does not do; its fsyncs are the files', the manifest's, the merge "
-        "intent's, the stage's and the target's (7, against the hand-made save's 5), which on tmpfs "
-        "cost nothing."
-    )
+    result.notes += _target_reasons(result.samples, breakdown, filesystems)
     return result
 
 
@@ -292,9 +286,9 @@ def _rows(result: Result, plot: dict[str, Any], label: str, data: dict[str, Any]
         ratio_row(
             f"{label}: safeio durable=True / (plain + user's fsyncs)",
             "cost against a plain save made durable by hand (fsync of each file and the directory)",
-            f"≤ {RATIO_LIMIT}" if realistic else "-",
+            f"≤ {DURABLE_LIMIT}" if realistic else "-",
             vs_user,
-            RATIO_LIMIT if realistic else None,
+            DURABLE_LIMIT if realistic else None,
         ),
     ]
     for name, values in (("durable=False", non_durable), ("durable=True - fsync", without_fsync)):
@@ -304,3 +298,49 @@ def _rows(result: Result, plot: dict[str, Any], label: str, data: dict[str, Any]
         series["y"].append(s.median)
         series["lo"].append(s.lo)
         series["hi"].append(s.hi)
+
+
+def _target_reasons(
+    samples: dict[str, Any], breakdown: dict[str, dict[str, float]], filesystems: dict[str, str]
+) -> list[str]:
+    """One note per target of the 1 MB tokenizer and filesystem: met or missed, and where the time went."""
+    notes = []
+    for fs_name, base in filesystems.items():
+        data = samples[f"{REALISTIC}/{fs_name}"]
+        t, fsync = data["times"], data["fsync"]
+        where = f"{REALISTIC} tokenizer, {fs_name} ({fs_type(base)})"
+        plain = Spread.of(t["plain"]).median * 1e3
+        extra = Spread.of([(s - p) * 1e3 for s, p in zip(t["safeio"], t["plain"], strict=True)]).median
+        ratio = Spread.of(ratios(t["safeio"], t["plain"])).median
+        phases = breakdown[f"{fs_name}, durable=False"]
+        outside = {p: ms for p, ms in phases.items() if p != "body"}
+        notes.append(
+            f"{where}: durable=False / plain = {ratio:.2f}x against ≤ {RATIO_LIMIT}: "
+            f"{'met' if ratio <= RATIO_LIMIT else 'missed'}. safeio adds {extra:.2f} ms to a {plain:.2f} ms "
+            f"save ({(RATIO_LIMIT - 1) * plain:.2f} ms allowed); its phases outside the body take "
+            + ", ".join(f"{p} {ms:.2f}" for p, ms in outside.items())
+            + f" ms ({sum(outside.values()):.2f} ms, measured apart from the ratio runs, table below): the "
+            "stage, one walk of it, the lock, a listing for leftovers, the manifest (with the merge's "
+            "intent) and one rename per file; no single item is large enough to bring the total under the "
+            "allowance."
+        )
+        by_hand = Spread.of(t["plain+fsync"]).median * 1e3
+        extra = Spread.of(
+            [(d - u) * 1e3 for d, u in zip(t["safeio durable"], t["plain+fsync"], strict=True)]
+        ).median
+        ratio = Spread.of(ratios(t["safeio durable"], t["plain+fsync"])).median
+        ours_s, ours_n = (Spread.of([x[i] for x in fsync["safeio durable"]]).median for i in (0, 1))
+        user_s, user_n = (Spread.of([x[i] for x in fsync["plain+fsync"]]).median for i in (0, 1))
+        walk = breakdown[f"{fs_name}, durable=True"].get("fsync", 0.0)
+        notes.append(
+            f"{where}: durable=True / plain made durable by hand = {ratio:.2f}x against ≤ {DURABLE_LIMIT}: "
+            f"{'met' if ratio <= DURABLE_LIMIT else 'missed'}. safeio adds {extra:.2f} ms to a {by_hand:.2f} ms "
+            f"save ({(DURABLE_LIMIT - 1) * by_hand:.2f} ms allowed): its {ours_n:.0f} fsyncs take "
+            f"{ours_s * 1e3:.2f} ms against the hand-made save's {user_n:.0f} in {user_s * 1e3:.2f} ms (the "
+            "files', the manifest's (which carries the merge's intent), the stage's and the target's, each "
+            "once; by hand: "
+            "the files' and the directory's; a careful save of safeio's shape needs each of them), and the "
+            f"walk that checksums (xxh3_128) and fsyncs each file through one open takes {walk:.2f} ms in all "
+            "(its fsyncs included); the rest is the durable=False fixed cost above."
+        )
+    return notes

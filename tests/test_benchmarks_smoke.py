@@ -99,3 +99,22 @@ def test_quick_history_benchmark_reports_rows(tmp_path: Path) -> None:
         value = row["value"]
         assert row["unit"] == "x" and value["n"] >= 3, row
         assert 0 < value["lo"] <= value["median"] <= value["hi"] < float("inf"), row
+
+
+@pytest.mark.timeout(120)
+def test_quick_wrapper_benchmark_reports_the_two_1mb_targets(tmp_path: Path) -> None:
+    """Figure 1 in quick mode (ext4 only): the 1 MB tokenizer's two targets, each with a note saying met or
+    missed and why (issue 26)."""
+    out = tmp_path / "results"
+    result = _quick(out, "wrapper")
+    targets = {
+        row["figure"]: row for row in result["rows"] if row["met"] is not None and "1 MB" in row["figure"]
+    }
+    assert sorted((row["target"], row["figure"].split(": ", 1)[1]) for row in targets.values()) == [
+        ("≤ 1.1", "safeio durable=False / plain"),
+        ("≤ 1.2", "safeio durable=True / (plain + user's fsyncs)"),
+    ]
+    reasons = [note for note in result["notes"] if note.startswith("fast 1 MB tokenizer, disk")]
+    assert len(reasons) == 2, result["notes"]
+    for note, row in zip(reasons, targets.values(), strict=True):
+        assert f": {'met' if row['met'] else 'missed'}. safeio adds " in note, note

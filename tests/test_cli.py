@@ -455,7 +455,7 @@ def test_verify_complete_damaged_and_missing(tmp_path: Path, capsys: pytest.Capt
 
     (target / "tokenizer.json").write_text('{"vocab": [1, 2, 4]}')  # same size, other bytes
     code, report = run_json(capsys, "verify", str(target))
-    assert code == 1 and report["problems"] == ["sha256 mismatch: tokenizer.json"]
+    assert code == 1 and report["problems"] == ["xxh3_128 mismatch: tokenizer.json"]
     assert main(["verify", str(target), "--no-hashes"]) == 0  # sizes still match
     capsys.readouterr()
 

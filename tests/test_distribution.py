@@ -49,7 +49,7 @@ def test_the_wheel_installs_into_a_fresh_environment(built: Path, tmp_path: Path
     venv = tmp_path / "venv"
     _run([sys.executable, "-m", "venv", str(venv)])
     python, script = venv / "bin" / "python", venv / "bin" / "safeio"
-    # The dependencies (fsspec, filelock) come from the package index or pip's cache; torch does not.
+    # The dependencies (fsspec, filelock, xxhash) come from the package index or pip's cache; torch does not.
     _run([str(python), "-m", "pip", "install", "-q", "--disable-pip-version-check", str(wheel)])
     env = {k: v for k, v in os.environ.items() if not k.startswith(("SAFEIO_", "PYTHON"))}
 

@@ -65,7 +65,7 @@ MANIFEST_LIKE = st.fixed_dictionaries(
     {
         "files": st.dictionaries(
             HOSTILE_NAMES,
-            st.fixed_dictionaries({"size": JSON}, optional={"sha256": JSON}) | JSON,
+            st.fixed_dictionaries({"size": JSON}, optional={"sha256": JSON, "xxh3_128": JSON}) | JSON,
             max_size=4,
         )
     },
@@ -74,6 +74,8 @@ MANIFEST_LIKE = st.fixed_dictionaries(
 INTENT_LIKE = st.fixed_dictionaries(
     {"target_name": HOSTILE_NAMES | JSON, "files": st.lists(HOSTILE_NAMES, max_size=4) | JSON}
 )
+# A stage's manifest carrying a merge's intent (format 2), as recovery reads it from a stage.
+STAGE_MANIFEST_LIKE = st.fixed_dictionaries({"files": st.just({}) | JSON, "merge_intent": INTENT_LIKE | JSON})
 MARKER_LIKE = st.one_of(
     st.binary(max_size=64),
     st.builds(
@@ -130,6 +132,7 @@ def shares(draw: st.DrawFn) -> dict[str, Any]:
                 st.tuples(
                     sibling_names(),
                     st.none() | _content(INTENT_LIKE),
+                    st.none() | _content(STAGE_MANIFEST_LIKE),
                     st.lists(st.tuples(HOSTILE_NAMES, PLANTED), max_size=3),
                 ),
                 max_size=3,
@@ -181,13 +184,15 @@ def _build(share: Path, outside: Path, drawn: dict[str, Any]) -> Path:
         _write(target, MANIFEST_NAME, drawn["manifest"], outside)
     for name, planted in drawn["in_target"]:
         _plant(target, name, planted, outside)
-    for name, intent, contents in drawn["stages"]:
+    for name, intent, stage_manifest, contents in drawn["stages"]:
         stage = share / name
         if os.path.lexists(stage):
             continue
         stage.mkdir()
         if intent is not None:
             _write(stage, MERGE_INTENT_NAME, intent, outside)
+        if stage_manifest is not None:
+            _write(stage, MANIFEST_NAME, stage_manifest, outside)
         for inner, planted in contents:
             _plant(stage, inner, planted, outside)
     for name, planted in drawn["others"]:

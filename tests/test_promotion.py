@@ -268,7 +268,7 @@ def test_non_durable_manifest_has_sizes_but_no_hashes(tmp_path: Path) -> None:
     save(tmp_path / "safe", {"a": "1"}, durable=True)
     fast = json.loads((tmp_path / "fast" / manifest.MANIFEST_NAME).read_text())["files"]["a"]
     safe = json.loads((tmp_path / "safe" / manifest.MANIFEST_NAME).read_text())["files"]["a"]
-    assert fast == {"size": 1} and set(safe) == {"size", "sha256"}
+    assert fast == {"size": 1} and set(safe) == {"size", "xxh3_128"}
 
 
 def test_verify_finds_damage(tmp_path: Path) -> None:
@@ -276,7 +276,7 @@ def test_verify_finds_damage(tmp_path: Path) -> None:
     save(target, {"a": "1111", "b": "2"})
     (target / "a").write_text("2222")
     (target / "b").unlink()
-    assert safeio.verify(target) == ["sha256 mismatch: a", "missing: b"]
+    assert safeio.verify(target) == ["xxh3_128 mismatch: a", "missing: b"]
     assert not safeio.is_complete(target)
 
 

@@ -174,10 +174,18 @@ def _state_after_kill(target: str, parent: str, old: int, label: str) -> str:
     assert label == "merge", f"{label}: target mixes versions {files}"
     assert set(files) == set(expected_files(old)), f"merge lost files: {sorted(files)}"
     stages = [n for n in os.listdir(parent) if (s := parse(n)) and s.kind == "stage"]
-    assert any(os.path.exists(os.path.join(parent, s, manifest.MERGE_INTENT_NAME)) for s in stages), (
+    assert any(_has_intent(os.path.join(parent, s)) for s in stages), (
         "a mixed merge without an intent to roll forward"
     )
     return "merge half done, files whole"
+
+
+def _has_intent(stage: str) -> bool:
+    """A merge's intent: in its stage's manifest (which moves last), or its own file without a manifest."""
+    if os.path.exists(os.path.join(stage, manifest.MERGE_INTENT_NAME)):
+        return True
+    record = manifest.read(stage)
+    return record is not None and manifest.MERGE_INTENT_KEY in record
 
 
 def _check_repaired(target: str, parent: str, label: str, versions: tuple[int, ...]) -> int:

@@ -28,14 +28,7 @@ from safeio._errors import InvalidTargetError, PromotionError, TargetExistsError
 from safeio._options import SaveOptions
 from safeio._promotion.base import Promoted, Promotion
 from safeio._storage import claims, manifest
-from safeio._storage.dirfd import (
-    fsync_fd_tree,
-    fsync_files_below,
-    held_directory,
-    identity,
-    lstat_at,
-    open_directory,
-)
+from safeio._storage.dirfd import fsync_files_below, held_directory, identity, lstat_at, open_directory
 from safeio._storage.fsops import remove_at
 from safeio._storage.location import Location
 from safeio._storage.locking import held, lock_path_for, make_lock
@@ -63,7 +56,7 @@ class LocalPromotion(Promotion):
 
     # A target that does not exist yet becomes the stage by one rename (every behaviour but Versioned).
     renames_fresh_target = True
-    # Whether a durable save records sha256 of every file (see safeio._storage.manifest for the cost); a
+    # Whether a durable save records a checksum of every file (safeio._storage.digests); a
     # checkpoint's gigabytes of shards are described by their sizes.
     hashes_when_durable = True
     # Whether the promotion changed the parent's entries (a rename there), so that a durable save syncs
@@ -231,25 +224,33 @@ class LocalPromotion(Promotion):
 
     def _prepare(self, stage: str) -> dict[str, dict[str, Any]]:
         self.check_stage()
-        # Hashes only when durable: see safeio._storage.manifest for the cost.
-        describe = self.options.manifest
+        durable = self.options.durable
+        in_walk = durable and self._files_synced_in_walk()
+        if durable:
+            self.phase("fsync")  # the walk below fsyncs every file as it checksums it
+        # One walk, one open per file: modes, checksums (durable only: see safeio._storage.manifest),
+        # fsyncs, and the subdirectories'. The stage directory itself is synced once the manifest (and a
+        # merge's intent) is in it: seal_stage.
         self.contents = settle_stage(
             self.stage_fd,
             self._stage_mode,
-            describe=describe,
-            hashes=self.options.durable and self.hashes_when_durable,
+            describe=self.options.manifest,
+            hashes=durable and self.hashes_when_durable,
+            sync_files=in_walk,
+            sync_dirs=durable,
         )
         self.check_staged(self.contents.content)
-        self.phase("fsync")
-        if self.options.durable:
+        if durable and not in_walk:
             self._sync_files()
-            # The stage directory itself once the manifest (and a merge's intent) is in it: seal_stage.
-            fsync_fd_tree(self.stage_fd, root=False, files=False)
         return self.contents.entries
 
+    def _files_synced_in_walk(self) -> bool:
+        """Whether the stage's walk fsyncs its files (one open per file); not where they are shared out
+        among a checkpoint's ranks (``StepRename``)."""
+        return True
+
     def _sync_files(self) -> None:
-        """Durable saves: every regular file of the stage reaches the disk (a checkpoint's are shared
-        out among its ranks: ``StepRename``)."""
+        """Durable saves whose files the walk did not sync: every regular file of the stage."""
         fsync_files_below(self.stage_fd)
 
     def seal_stage(self) -> None:
@@ -383,8 +384,14 @@ class LocalPromotion(Promotion):
                     target,
                 )
 
-    def write_manifest(self, entries: dict[str, dict[str, Any]], previous_fd: int | None) -> None:
-        """Write the manifest into the stage last; ``previous_fd`` (merge) keeps other objects' entries."""
+    def write_manifest(
+        self,
+        entries: dict[str, dict[str, Any]],
+        previous_fd: int | None,
+        intent: dict[str, Any] | None = None,
+    ) -> None:
+        """Write the manifest into the stage last; ``previous_fd`` (merge) keeps other objects' entries;
+        ``intent`` (merge) is recorded in it for recovery (``manifest.MERGE_INTENT_KEY``)."""
         if not self.options.manifest:
             return
         old = load_manifest(previous_fd, manifest.MANIFEST_NAME) if previous_fd is not None else None
@@ -397,6 +404,8 @@ class LocalPromotion(Promotion):
             )
             old = None
         record = self.manifest_record(entries, old)
+        if intent is not None:
+            record[manifest.MERGE_INTENT_KEY] = intent
         self.version = manifest.write(self.stage_fd, record, durable=self.options.durable)
 
     @contextlib.contextmanager

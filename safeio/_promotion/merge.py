@@ -6,7 +6,9 @@ would delete the model. Each file is ``os.replace``d (atomic, never truncated in
 loads for concurrent readers, who may still combine files of two versions).
 
 The set is made whole after a crash: before the first replacement the stage records the intent (the
-target's name and the files, in order) durably, and recovery rolls an interrupted merge forward. A merge
+target's name and the files, in order) durably, and recovery rolls an interrupted merge forward. The
+intent is a key of the stage's manifest, which moves last (a merge without a manifest, and stages of
+earlier versions, have it in ``.safeio-merge-intent.json``). A merge
 that fails part-way (a destination not writable, say) keeps its stage and intent, so the next save of the
 target or ``safeio gc`` rolls it forward to the whole new set once the cause is fixed.
 
@@ -30,7 +32,7 @@ from safeio._promotion.recovery_records import Action, Leftover
 from safeio._storage import manifest
 from safeio._storage.dirfd import held_directory, lstat_at, open_directory, open_relative_directory
 from safeio._storage.fsops import remove_at
-from safeio._storage.metadata import INTENT_CAP, Damaged, read_json, validate_intent
+from safeio._storage.metadata import INTENT_CAP, Damaged, load_manifest, read_json, validate_intent
 from safeio._storage.names import truncated_base
 from safeio._who import who
 
@@ -42,12 +44,17 @@ class Merge(LocalPromotion):
 
     def _replace_existing(self, stage: str, entries: dict[str, dict[str, Any]]) -> None:
         with self.target_directory() as target_fd:
-            self.write_manifest(entries, target_fd)
             files = list(self.contents.content)
             if self.options.manifest:
                 files.append(manifest.MANIFEST_NAME)  # last: it describes the whole set
             self._check_conflicts(target_fd, files)
-            self._write_intent(files)
+            intent = {"target_name": self.name, "files": files}
+            if self.options.manifest:
+                # One file and one fsync for both: the manifest is in the stage until the last move.
+                self.write_manifest(entries, target_fd, intent)
+                self._intent_written = True
+            else:
+                self._write_intent(intent)
             self.seal_stage()
             self.parent_changed = (
                 False  # only the target's entries change (the stage's removal need not last)
@@ -56,18 +63,20 @@ class Merge(LocalPromotion):
         self._remove_merged_stage(stage)
 
     def _remove_merged_stage(self, stage: str) -> None:
-        """What is left of a merged stage: its intent, and directories emptied by the moves."""
+        """What is left of a merged stage: its intent file (without a manifest), and directories emptied
+        by the moves."""
         try:
-            os.unlink(manifest.MERGE_INTENT_NAME, dir_fd=self.stage_fd)
+            if not self.options.manifest:
+                os.unlink(manifest.MERGE_INTENT_NAME, dir_fd=self.stage_fd)
             os.rmdir(self.stage_name, dir_fd=self.parent_fd)
         except OSError:  # subdirectories (or something a rival put there): the general removal
             remove_at(self.parent_fd, self.stage_name, what="merged stage", shown=stage)
 
-    def _write_intent(self, files: list[str]) -> None:
+    def _write_intent(self, intent: dict[str, Any]) -> None:
         flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
         fd = os.open(manifest.MERGE_INTENT_NAME, flags, 0o666, dir_fd=self.stage_fd)
         try:
-            os.write(fd, json.dumps({"target_name": self.name, "files": files}).encode())
+            os.write(fd, json.dumps(intent).encode())
             if self.options.durable:
                 os.fsync(fd)
         finally:
@@ -145,7 +154,7 @@ class Merge(LocalPromotion):
         except OSError:
             return None  # not a directory (a planted link or file): removed like any stale sibling
         try:
-            raw = read_json(stage_fd, manifest.MERGE_INTENT_NAME, INTENT_CAP)
+            raw = _read_intent(stage_fd)
             if raw is None:
                 return None
             named = _intent_target(raw, leftover, target_name)
@@ -167,6 +176,18 @@ class Merge(LocalPromotion):
             return Action("roll-forward", leftover.path, reason, size)
         finally:
             os.close(stage_fd)
+
+
+def _read_intent(stage_fd: int) -> object:
+    """A stage's merge intent as found (validated by the caller): its intent file, else the key of its
+    manifest; None when it has neither (every file moved, or not a merge)."""
+    raw = read_json(stage_fd, manifest.MERGE_INTENT_NAME, INTENT_CAP)
+    if raw is not None:
+        return raw
+    record = load_manifest(stage_fd, manifest.MANIFEST_NAME)
+    if not isinstance(record, dict):
+        return None  # absent, or damaged: removed like any stale stage, never read further
+    return record.get(manifest.MERGE_INTENT_KEY)
 
 
 def _intent_target(raw: object, leftover: Leftover, target_name: str | None) -> str | None:

@@ -74,6 +74,9 @@ class StepRename(LocalPromotion, StepPromotion):
         self._fsyncs = fsyncs
         return self.finish(stage)
 
+    def _files_synced_in_walk(self) -> bool:
+        return self._fsyncs is None or not self.options.manifest  # else shared out: _sync_files
+
     def _sync_files(self) -> None:
         # Each rank syncs its share of the files at the same time; the writer its own, then whatever
         # another rank could not (see CheckpointSave). The manifest and the directories stay the writer's.

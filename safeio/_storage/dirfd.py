@@ -295,17 +295,6 @@ def fsync_files_below(dir_fd: int) -> None:
                 os.close(file_fd)
 
 
-def fsync_fd_tree(dir_fd: int, *, root: bool = True, files: bool = True) -> None:
-    """fsync every regular file and directory below ``dir_fd`` (children before their directory);
-    ``root=False`` leaves ``dir_fd`` itself to the caller (who adds entries to it first); ``files=False``
-    syncs the directories only (the caller synced the files)."""
-    if files:
-        fsync_files_below(dir_fd)
-    for rel, fd in walk_directories(dir_fd):
-        if rel or root:
-            os.fsync(fd)
-
-
 def fsync_files(dir_fd: int, names: Iterable[str]) -> list[str]:
     """fsync the regular files ``names`` (relative paths) below ``dir_fd``, following no link; return
     those that could not be (missing, not a regular file, an error), for someone else to sync."""

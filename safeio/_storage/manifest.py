@@ -1,8 +1,10 @@
 """``.safeio-manifest.json``: what a promoted directory holds, written last.
 
-Sizes are always recorded (a stat per file, free next to the save); sha256 only when the save is
-durable, because hashing a 1.3 MB ``tokenizer.json`` costs about as much as the save itself and the
-non-durable path promises to cost no more than a plain save. ``safeio verify`` checks what is recorded.
+Sizes are always recorded (a stat per file, free next to the save); a checksum of each file only when
+the save is durable, where the stage's files are opened anyway to fsync them (``safeio._storage.digests``:
+format 2 records ``xxh3_128``, format 1 recorded ``sha256``; both are checked). The non-durable path
+promises to cost no more than a plain save, and reads nothing back. ``safeio verify`` checks what is
+recorded.
 In ``merge`` mode several objects share one directory, so a save updates the entries of the files it
 wrote and keeps the others. Only regular files are listed; reading a manifest goes through
 ``safeio._storage.metadata`` (bounded, validated), and checking one never follows a link.
@@ -10,7 +12,6 @@ wrote and keeps the others. Only regular files are listed; reading a manifest go
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import socket
@@ -18,12 +19,17 @@ import stat
 import time
 from typing import Any
 
+from safeio._storage import digests
 from safeio._storage.dirfd import held_directory, open_regular_file, open_relative_directory, walk_files
 from safeio._storage.metadata import Damaged, load_manifest
 
 MANIFEST_NAME = ".safeio-manifest.json"
-MERGE_INTENT_NAME = ".safeio-merge-intent.json"
-FORMAT = 1
+MERGE_INTENT_NAME = ".safeio-merge-intent.json"  # a merge's intent when it writes no manifest
+# A merge's intent inside its stage's manifest (format 2): the manifest moves into the target last, so it
+# leaves the stage only once every other file has, and one file (and one fsync) records both.
+MERGE_INTENT_KEY = "merge_intent"
+# 2: file checksums are xxh3_128 (1 recorded sha256; a merge keeps such entries, and both are checked).
+FORMAT = 2
 # Files inside a stage that describe the stage itself and are never listed as content.
 BOOKKEEPING = frozenset({MANIFEST_NAME, MERGE_INTENT_NAME})
 
@@ -46,17 +52,11 @@ def content_files(directory: int | str) -> list[str]:
     ]
 
 
-def sha256_fd(fd: int) -> str:
-    digest = hashlib.sha256()
-    while block := os.read(fd, 1 << 20):
-        digest.update(block)
-    return digest.hexdigest()
-
-
-def sha256_at(dir_fd: int, name: str) -> str:
-    fd, _ = open_regular_file(dir_fd, name)
+def digest_at(dir_fd: int, name: str) -> dict[str, str]:
+    """A new manifest entry's checksum of ``name`` in ``dir_fd``: ``{digests.DIGEST: hex}``."""
+    fd, st = open_regular_file(dir_fd, name)
     try:
-        return sha256_fd(fd)
+        return digests.of_fd(fd, size=st.st_size)
     finally:
         os.close(fd)
 
@@ -70,7 +70,7 @@ def describe_files(dir_fd: int, *, hashes: bool) -> dict[str, dict[str, Any]]:
             continue
         entry: dict[str, Any] = {"size": st.st_size}
         if hashes:
-            entry["sha256"] = sha256_at(fd, name)
+            entry.update(digest_at(fd, name))
         entries[rel] = entry
     return entries
 
@@ -192,8 +192,8 @@ def _entry_problems(fd: int, name: str, rel: str, entry: dict[str, Any], check_h
     try:
         if st.st_size != entry.get("size"):
             return [f"size mismatch: {rel} is {st.st_size} bytes, manifest says {entry.get('size')}"]
-        if check_hashes and "sha256" in entry and sha256_fd(file_fd) != entry["sha256"]:
-            return [f"sha256 mismatch: {rel}"]
+        if check_hashes:
+            return [f"{digest} mismatch: {rel}" for digest in digests.mismatches(file_fd, entry)]
     finally:
         os.close(file_fd)
     return []

@@ -16,12 +16,12 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
+from safeio._storage import digests
 from safeio._storage.dirfd import is_component, is_relative_name, open_regular_file
 
 MANIFEST_CAP = 16 << 20  # a manifest of 100,000 files is about 10 MB
 INTENT_CAP = 16 << 20
 MAX_DEPTH = 64  # manifests nest 4 deep; a save's result value may nest a little more
-_SHA256 = re.compile(r"[0-9a-f]{64}")
 _STRINGS = re.compile(rb'"(?:[^"\\]|\\.)*"', re.DOTALL)
 _BRACKETS = re.compile(rb"[\[\]{}]")
 
@@ -85,7 +85,8 @@ def _depth(data: bytes) -> int:
 
 
 def validate_manifest(record: object) -> dict[str, Any] | Damaged:
-    """A manifest whose ``files`` map normalised relative names to ``{"size": int, "sha256"?: hex}``."""
+    """A manifest whose ``files`` map normalised relative names to ``{"size": int, <digest>?: hex}``, where
+    a digest is any of ``safeio._storage.digests.ALGORITHMS`` (format 2's xxh3_128, format 1's sha256)."""
     if not isinstance(record, dict) or not isinstance(record.get("files"), dict):
         return Damaged("the manifest has no files table")
     for rel, entry in record["files"].items():
@@ -96,9 +97,9 @@ def validate_manifest(record: object) -> dict[str, Any] | Damaged:
         size = entry.get("size")
         if isinstance(size, bool) or not isinstance(size, int) or size < 0:
             return Damaged(f"the manifest entry of {rel!r} has no valid size")
-        digest = entry.get("sha256")
-        if digest is not None and not (isinstance(digest, str) and _SHA256.fullmatch(digest)):
-            return Damaged(f"the manifest entry of {rel!r} has an invalid sha256")
+        for name in digests.recorded(entry):
+            if not digests.is_valid(name, entry[name]):
+                return Damaged(f"the manifest entry of {rel!r} has an invalid {name}")
     call = record.get("call")
     if call is not None and not isinstance(call, str):
         return Damaged("the manifest's call id is not a string")

@@ -1,4 +1,4 @@
-"""POSIX primitives Python lacks: ``renameat2``, the umask (fsync of trees: ``dirfd.fsync_fd_tree``)."""
+"""POSIX primitives Python lacks: ``renameat2``, the umask."""
 
 from __future__ import annotations
 

@@ -1,9 +1,10 @@
-"""One walk of a finished stage: its modes put right, its files described, its content listed.
+"""One walk of a finished stage: its modes put right, its files described and synced, its content listed.
 
-A small save's fixed cost is mostly Python per entry visited, and the stage used to be walked three
-times (permissions, manifest entries, the merge's list of files to move); it is walked once. Links the
-body wrote are kept as links: listed as content (a merge moves them), never described, chmodded or
-followed.
+A small save's fixed cost is mostly Python per entry visited, and the stage used to be walked four
+times (permissions, manifest entries, the merge's list of files to move, the fsyncs); it is walked once,
+and a durable save opens each file once to checksum and fsync it (its pages are still in the cache from
+the body's write). Links the body wrote are kept as links: listed as content (a merge moves them), never
+described, chmodded, synced or followed.
 """
 
 from __future__ import annotations
@@ -13,8 +14,9 @@ import stat
 from dataclasses import dataclass, field
 from typing import Any
 
+from safeio._storage import digests
 from safeio._storage.dirfd import Listing, open_regular_file, walk
-from safeio._storage.manifest import BOOKKEEPING, sha256_at
+from safeio._storage.manifest import BOOKKEEPING
 
 
 @dataclass
@@ -25,7 +27,15 @@ class StageContents:
     content: list[str] = field(default_factory=list)  # regular files and links, bookkeeping excluded
 
 
-def settle_stage(stage_fd: int, dir_mode: int, *, describe: bool, hashes: bool) -> StageContents:
+def settle_stage(
+    stage_fd: int,
+    dir_mode: int,
+    *,
+    describe: bool,
+    hashes: bool,
+    sync_files: bool = False,
+    sync_dirs: bool = False,
+) -> StageContents:
     """Give the stage the modes a plain mkdir/open would give, and describe it.
 
     ``dir_mode`` is what ``mkdir(stage, 0o777)`` gave the stage when it was made (the umask applied):
@@ -34,10 +44,12 @@ def settle_stage(stage_fd: int, dir_mode: int, *, describe: bool, hashes: bool) 
     mkstemp); a replicated checkpoint must be readable by whoever could read one written without safeio.
     A directory keeps its setgid bit (a setgid project share's group must stay on later writes there).
     Files are changed through a descriptor opened without following links. ``describe``: manifest entries
-    (sizes, and sha256 with ``hashes``) for the regular files.
+    (sizes, and a checksum with ``hashes``) for the regular files. ``sync_files``: fsync every regular file
+    (a checkpoint's writer leaves them to the ranks' shares: ``StepRename``); ``sync_dirs``: every
+    subdirectory; the stage itself is left to the caller, who adds the manifest to it first.
     """
     dir_mode &= 0o777
-    settle = _Settle(dir_mode, dir_mode & 0o666, dir_mode & 0o111, describe, hashes)
+    settle = _Settle(dir_mode, dir_mode & 0o666, dir_mode & 0o111, describe, hashes, sync_files, sync_dirs)
     for listing in walk(stage_fd):  # no recursion: a body's 3,000-level tree is refused, not a crash
         settle.directory(listing)
     return settle.contents
@@ -50,6 +62,8 @@ class _Settle:
     exec_bits: int  # the execute bits a file may keep
     describe: bool
     hashes: bool
+    sync_files: bool
+    sync_dirs: bool
     contents: StageContents = field(default_factory=StageContents)
 
     def directory(self, listing: Listing) -> None:
@@ -61,27 +75,37 @@ class _Settle:
             os.fchmod(fd, wanted_dir)
         for name, st in listing.entries:
             self.file(fd, f"{rel_dir}/{name}" if rel_dir else name, name, st)
+        if self.sync_dirs and rel_dir:
+            os.fsync(fd)  # its entries; the stage's own are synced with the manifest (seal_stage)
 
     def file(self, fd: int, rel: str, name: str, st: os.stat_result) -> None:
         if stat.S_ISREG(st.st_mode):
             wanted = self.file_mode | (st.st_mode & self.exec_bits)
-            if stat.S_IMODE(st.st_mode) != wanted:
-                _chmod_file(fd, name, wanted)
-            if rel in BOOKKEEPING:
+            chmod = stat.S_IMODE(st.st_mode) != wanted
+            counted = rel not in BOOKKEEPING
+            entry: dict[str, Any] = {"size": st.st_size}
+            hashes = counted and self.describe and self.hashes
+            if chmod or hashes or self.sync_files:
+                self._open_once(fd, name, wanted if chmod else None, entry if hashes else None, st.st_size)
+            if not counted:
                 return
             self.contents.content.append(rel)
             if self.describe:
-                entry: dict[str, Any] = {"size": st.st_size}
-                if self.hashes:
-                    entry["sha256"] = sha256_at(fd, name)
                 self.contents.entries[rel] = entry
         elif stat.S_ISLNK(st.st_mode) and rel not in BOOKKEEPING:
             self.contents.content.append(rel)
 
-
-def _chmod_file(dir_fd: int, name: str, mode: int) -> None:
-    file_fd, _ = open_regular_file(dir_fd, name)
-    try:
-        os.fchmod(file_fd, mode)
-    finally:
-        os.close(file_fd)
+    def _open_once(
+        self, dir_fd: int, name: str, mode: int | None, entry: dict[str, Any] | None, size: int
+    ) -> None:
+        """One open of a file for all it needs: its mode, its checksum, its fsync."""
+        file_fd, _ = open_regular_file(dir_fd, name)
+        try:
+            if mode is not None:
+                os.fchmod(file_fd, mode)
+            if entry is not None:
+                entry.update(digests.of_fd(file_fd, size=size))
+            if self.sync_files:
+                os.fsync(file_fd)
+        finally:
+            os.close(file_fd)

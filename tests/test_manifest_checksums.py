@@ -205,3 +205,23 @@ def test_a_merge_without_a_manifest_still_writes_its_intent_file(tmp_path: Path)
     assert seen == [True]
     assert sorted(os.listdir(target)) == ["config.json", "tokenizer.json"]
     assert [n for n in os.listdir(tmp_path) if "stage" in n] == []
+
+
+def test_a_manifest_nested_too_deep_is_damaged_and_brackets_in_strings_do_not_count(tmp_path: Path) -> None:
+    # The depth bound is checked on the text before parsing (a crafted manifest must not reach the parser's
+    # recursion limit); a save's recorded result may hold any string, brackets and escaped quotes included.
+    target = tmp_path / "t"
+    save(target, {"a.bin": b"x"})
+    written = json.loads((target / manifest.MANIFEST_NAME).read_bytes())
+    written["result"] = ['"[{' * 100 + '\\"', {"nested": [[["]]]]"]]]}]
+    (target / manifest.MANIFEST_NAME).write_text(json.dumps(written))
+    assert not isinstance(manifest.load(str(target)), Damaged)
+    assert safeio.verify(target) == []
+
+    written["result"] = json.loads("[" * 70 + "]" * 70)
+    (target / manifest.MANIFEST_NAME).write_text(json.dumps(written))
+    found = manifest.load(str(target))
+    assert isinstance(found, Damaged) and "nests deeper than 64 levels" in found.reason, found
+    (target / manifest.MANIFEST_NAME).write_bytes(b'{"files": ' + b"[" * 200_000 + b"]" * 200_000 + b"}")
+    found = manifest.load(str(target))
+    assert isinstance(found, Damaged) and "nests deeper" in found.reason, found

@@ -22,8 +22,10 @@ from safeio._storage.dirfd import is_component, is_relative_name, open_regular_f
 MANIFEST_CAP = 16 << 20  # a manifest of 100,000 files is about 10 MB
 INTENT_CAP = 16 << 20
 MAX_DEPTH = 64  # manifests nest 4 deep; a save's result value may nest a little more
-_STRINGS = re.compile(rb'"(?:[^"\\]|\\.)*"', re.DOTALL)
-_BRACKETS = re.compile(rb"[\[\]{}]")
+# A JSON string, written as an unrolled loop: 4-5 times faster than an alternation per character (the
+# scan below ran 0.2 ms on a 7 KB manifest, most of a 1 MB merge save's allowance, issue 26).
+_STRINGS = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"', re.DOTALL)
+_NOT_BRACKETS = bytes(b for b in range(256) if b not in b"[]{}")
 
 
 @dataclass(frozen=True)
@@ -72,8 +74,8 @@ def _depth(data: bytes) -> int:
     if data.count(b"[") + data.count(b"{") <= MAX_DEPTH:
         return 0  # cannot nest deeper than it has brackets (the usual manifest: no scan needed)
     depth = deepest = 0
-    for bracket in _BRACKETS.findall(_STRINGS.sub(b'""', data)):
-        if bracket in (b"[", b"{"):
+    for bracket in _STRINGS.sub(b"", data).translate(None, _NOT_BRACKETS):
+        if bracket in b"[{":
             depth += 1
             if depth > deepest:
                 deepest = depth

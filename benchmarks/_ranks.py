@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Mapping
+from typing import Any
 
 
 def time_on_ranks(
@@ -35,3 +36,12 @@ def walls(per_rank: list[dict[str, list[list[float]]]], method: str) -> list[flo
     return [
         max(r[method][i][1] for r in per_rank) - min(r[method][i][0] for r in per_rank) for i in range(reps)
     ]
+
+
+def sharded_state(megabytes: int, rank: int, world: int) -> dict[str, Any]:
+    """``rank``'s part of ``megabytes`` of state, sharded as DCP sees it: each rank owns a distinct slice
+    (a plain float32 tensor per rank, keyed by rank)."""
+    import torch
+
+    per_rank = megabytes * (1 << 20) // world // 4
+    return {f"shard{rank}": torch.full((per_rank,), float(rank))}

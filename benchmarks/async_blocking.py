@@ -18,18 +18,11 @@ from collections.abc import Callable
 from typing import Any
 
 from benchmarks._core import Result, Row, Spread, fs_type, ratio_row, ratios, scratch
-from benchmarks._ranks import walls
+from benchmarks._ranks import sharded_state, walls
 
 NAME = "async_blocking"
 WORLD = 4
 METHODS = ("bare dcp.async_save", "safeio")
-
-
-def _state(megabytes: int, rank: int) -> dict[str, Any]:
-    import torch
-
-    per_rank = megabytes * (1 << 20) // WORLD // 4
-    return {f"shard{rank}": torch.full((per_rank,), float(rank))}
 
 
 def _rank(rank: int, world: int, reps: int, root: str, megabytes: int) -> dict[str, Any]:
@@ -40,7 +33,7 @@ def _rank(rank: int, world: int, reps: int, root: str, megabytes: int) -> dict[s
     from safeio.testing.hf_objects import fast_tokenizer
 
     tok = fast_tokenizer(words=50_000)
-    state = _state(megabytes, rank)
+    state = sharded_state(megabytes, rank, WORLD)
     pg = dist.new_group(backend="gloo")  # DCP's background collectives, apart from the training's
     ckpts = safeio.Checkpoints(os.path.join(root, "safeio"), keep=1, timeout=600)
 

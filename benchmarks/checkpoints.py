@@ -15,19 +15,11 @@ import os
 from typing import Any
 
 from benchmarks._core import Result, Row, Spread, ratio_row, ratios, scratch
-from benchmarks._ranks import time_on_ranks, walls
+from benchmarks._ranks import sharded_state, time_on_ranks, walls
 
 NAME = "checkpoints"
 WORLD = 4
 METHODS = ("plain", "safeio durable=False", "safeio")
-
-
-def _state(megabytes: int, rank: int) -> dict[str, Any]:
-    import torch
-
-    # Sharded as DCP sees it: each rank owns a distinct slice (a plain tensor per rank, keyed by rank).
-    per_rank = megabytes * (1 << 20) // WORLD // 4
-    return {f"shard{rank}": torch.full((per_rank,), float(rank))}
 
 
 def _rank(rank: int, world: int, reps: int, root: str, megabytes: int) -> dict[str, Any]:
@@ -38,7 +30,7 @@ def _rank(rank: int, world: int, reps: int, root: str, megabytes: int) -> dict[s
     from safeio.testing.hf_objects import fast_tokenizer
 
     tok = fast_tokenizer(words=50_000)
-    state = _state(megabytes, rank)
+    state = sharded_state(megabytes, rank, WORLD)
     ckpts = {
         "safeio": safeio.Checkpoints(os.path.join(root, "safeio"), keep=None, timeout=600),
         "safeio durable=False": safeio.Checkpoints(

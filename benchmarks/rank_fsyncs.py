@@ -15,18 +15,11 @@ import time
 from typing import Any
 
 from benchmarks._core import Result, Row, Spread, fs_type, ratio_row, ratios, scratch
-from benchmarks._ranks import time_on_ranks, walls
+from benchmarks._ranks import sharded_state, time_on_ranks, walls
 
 NAME = "rank_fsyncs"
 WORLD = 4
 METHODS = ("dcp fsync on", "dcp fsync off")
-
-
-def _state(megabytes: int, rank: int) -> dict[str, Any]:
-    import torch
-
-    per_rank = megabytes * (1 << 20) // WORLD // 4
-    return {f"shard{rank}": torch.full((per_rank,), float(rank))}
 
 
 def _rank(rank: int, world: int, reps: int, root: str, megabytes: int) -> dict[str, Any]:
@@ -36,7 +29,7 @@ def _rank(rank: int, world: int, reps: int, root: str, megabytes: int) -> dict[s
     from safeio.testing.hf_objects import fast_tokenizer
 
     tok = fast_tokenizer(words=50_000)
-    state = _state(megabytes, rank)
+    state = sharded_state(megabytes, rank, WORLD)
     # keep=1: the state of old steps would otherwise fill the disk at 1 GB and more.
     ckpts = {
         m: safeio.Checkpoints(os.path.join(root, m.replace(" ", "-")), keep=1, timeout=600) for m in METHODS

@@ -177,3 +177,24 @@ def test_a_share_without_symlinks_gets_last_ckpt_as_a_copy(nfslike_mount: Mount,
     [result] = run_ranks(_fit, 1, root, 3, False, None, False, callback, timeout=240)
     assert result.value["link"] is None and result.value["same"] and result.value["last_step"] == 3
     assert [n for n in os.listdir(root) if ".safeio-" in n] == []
+
+
+def test_the_copy_fallback_never_reads_a_link_planted_at_the_checkpoints_name(tmp_path: Path) -> None:
+    # Where links are refused, last.ckpt is a copy of the checkpoint just saved. A link planted under the
+    # checkpoint's name in the shared directory must not make that copy of a file it names elsewhere.
+    from safeio.integrations.lightning import _copy_into_place
+
+    secret = tmp_path / "home" / "secret"
+    secret.parent.mkdir()
+    secret.write_text("another user's file")
+    root = tmp_path / "ckpt"
+    root.mkdir()
+    (root / "epoch=0-step=2.ckpt").symlink_to(secret)
+    with pytest.raises(InvalidTargetError, match=r"epoch=0-step=2\.ckpt"):
+        _copy_into_place(str(root / "epoch=0-step=2.ckpt"), str(root / "last.ckpt"))
+    assert sorted(os.listdir(root)) == ["epoch=0-step=2.ckpt"]  # no last.ckpt, no temporary file
+
+    (root / "epoch=0-step=2.ckpt").unlink()
+    (root / "epoch=0-step=2.ckpt").write_bytes(b"weights")
+    _copy_into_place(str(root / "epoch=0-step=2.ckpt"), str(root / "last.ckpt"))
+    assert (root / "last.ckpt").read_bytes() == b"weights" and not (root / "last.ckpt").is_symlink()

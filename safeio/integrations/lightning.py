@@ -30,7 +30,7 @@ from safeio._errors import InvalidTargetError
 from safeio._promotion.backends import backend_for
 from safeio._saves.atomic import atomic_open
 from safeio._storage.claims import claimed
-from safeio._storage.dirfd import held_directory
+from safeio._storage.dirfd import held_directory, open_regular_file
 from safeio._storage.names import sibling_name
 
 __all__ = ["SafeCheckpointIO", "SafeModelCheckpoint"]
@@ -119,5 +119,16 @@ def _replace_with_link(filepath: str, linkpath: str) -> None:
 
 def _copy_into_place(filepath: str, linkpath: str) -> None:
     # A directory at linkpath is refused here too: atomic_open raises InvalidTargetError naming it.
-    with open(filepath, "rb") as source, atomic_open(linkpath, "wb") as copy:
+    # The source is read through its directory's handle, never through a link planted under its name in
+    # the shared directory: that would copy whatever file the link names (anyone's) into the share.
+    with held_directory(os.path.dirname(os.path.abspath(filepath)), follow=True) as source_dir:
+        try:
+            fd, _ = open_regular_file(source_dir, os.path.basename(filepath))
+        except OSError as exc:
+            raise InvalidTargetError(
+                f"{filepath} is not a regular file of this directory ({exc.strerror or exc}); "
+                f"{linkpath} is not copied from it",
+                filepath,
+            ) from None
+    with os.fdopen(fd, "rb") as source, atomic_open(linkpath, "wb") as copy:
         shutil.copyfileobj(source, copy, 1 << 20)

@@ -33,7 +33,7 @@ from pathlib import Path
 import safeio
 from safeio.testing import hf_objects
 from safeio.testing.nfslike import Mount
-from tests._launcher import descendants
+from tests._launcher import descendants, kill_tree, start
 
 TORCHRUN = Path(sys.executable).with_name("torchrun")
 LAUNCH = [os.fspath(TORCHRUN), "--standalone", "--nproc_per_node", "2"]
@@ -80,14 +80,7 @@ class Job:
 
     def __init__(self, command: list[str], out: Path, env: dict[str, str], log: Path) -> None:
         self.out, self.log = out, log
-        with open(log, "wb") as sink:
-            self.proc = subprocess.Popen(
-                [*command, "--output_dir", os.fspath(out)],
-                stdout=sink,
-                stderr=subprocess.STDOUT,
-                env=env,
-                start_new_session=True,
-            )
+        self.proc = start([*command, "--output_dir", os.fspath(out)], log, env)
         self.started = time.monotonic()
 
     def ranks(self) -> dict[int, int]:
@@ -116,10 +109,7 @@ class Job:
         return self.log.read_text(errors="replace")
 
     def kill(self) -> None:
-        for pid in {self.proc.pid, *descendants(self.proc.pid)}:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGKILL)
-        self.proc.wait(10)
+        kill_tree(self.proc, self.out)
 
 
 @dataclass(frozen=True)

@@ -19,8 +19,10 @@ import contextlib
 import json
 import os
 import secrets
+import struct
 import time
 import tracemalloc
+import zipfile
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -95,6 +97,60 @@ def _checkpoints_root(share: Share) -> Path:
     with safeio.Checkpoints(root, keep=None, timeout=10).save(1) as ckpt:
         Path(ckpt.path, "weights.bin").write_text("ours")
     return root
+
+
+# ---- 1. an archive judged by what its header claims ---------------------------------------------
+
+
+def _archive_claiming(directory_size: int) -> tuple[bytes, int]:
+    """The end of a zip archive whose central directory is ``directory_size`` bytes at offset 0 (zip64
+    records, as torch.save writes them), and the size of the file it must end."""
+    record = struct.pack("<4sQ2H2L4Q", b"PK\x06\x06", 44, 45, 45, 0, 0, 1, 1, directory_size, 0)
+    locator = struct.pack("<4sLQL", b"PK\x06\x07", 0, directory_size, 1)
+    end = struct.pack("<4s4H2LH", b"PK\x05\x06", *[0xFFFF] * 4, 0xFFFFFFFF, 0xFFFFFFFF, 0)
+    tail = record + locator + end
+    return tail, directory_size + len(tail)
+
+
+def _accelerate_checkpoint(root: Path, name: str, directory_size: int, uid: int | None = None) -> Path:
+    """What accelerate's save_state leaves, complete by its files but for an archive whose end record
+    claims a central directory of ``directory_size`` bytes (a 4 KiB sparse file)."""
+    ckpt = root / name
+    ckpt.mkdir(parents=True)
+    (ckpt / "model.safetensors").write_bytes(b"weights")
+    tail, size = _archive_claiming(directory_size)
+    _sparse(ckpt / "random_states_0.pkl", size, tail)
+    _owned(ckpt, uid)
+    return ckpt
+
+
+@case
+def r3case1_an_archive_is_judged_from_its_tail_never_by_what_it_claims(share: Share) -> None:
+    """accelerate's random_states_N.pkl is a zip torch.save wrote: one whose end record claims a 1 TiB
+    (or 512 MiB) central directory made ``ls`` and ``verify`` die of MemoryError (or read 512 MiB)."""
+    root = _checkpoints_root(share)
+    _accelerate_checkpoint(root, "checkpoint_1", TiB)
+    _accelerate_checkpoint(root, "checkpoint_2", 512 * MiB)
+    for command in ("ls", "verify"):
+        with measured() as figures:
+            code, text = cli(command, str(root))
+        figures.within(f"safeio {command}")
+        for name in ("checkpoint_1", "checkpoint_2"):  # an archive that does not end whole
+            assert any(name in line and "incomplete" in line for line in text.splitlines()), text
+        assert code == (1 if command == "verify" else 0), (command, code, text)
+
+
+@case
+def r3baseline1_zipfile_reads_what_the_end_record_claims(share: Share) -> None:
+    path = share.share / "random_states_0.pkl"
+    tail, size = _archive_claiming(TiB)
+    _sparse(path, size, tail)
+    raises(MemoryError, lambda: zipfile.ZipFile(path))
+    tail, size = _archive_claiming(64 * MiB)
+    _sparse(path, size, tail)
+    with measured() as figures, contextlib.suppress(zipfile.BadZipFile):
+        zipfile.ZipFile(path)
+    assert figures.peak >= 64 * MiB, figures  # read whole, to find it is not a directory
 
 
 # ---- 3. the first file save's sweep deletes a tree --------------------------------------------------

@@ -31,7 +31,7 @@ from typing import Any
 import safeio
 from safeio._promotion import leftovers
 from safeio._storage.fsops import remove_tree
-from safeio._storage.manifest import MERGE_INTENT_NAME
+from safeio._storage.manifest import MANIFEST_NAME, MERGE_INTENT_NAME
 from safeio._storage.names import host_tag
 from tests._hostile_cases import (
     ROOT_ONLY,
@@ -131,12 +131,18 @@ def r3case1_an_archive_is_judged_from_its_tail_never_by_what_it_claims(share: Sh
     root = _checkpoints_root(share)
     _accelerate_checkpoint(root, "checkpoint_1", TiB)
     _accelerate_checkpoint(root, "checkpoint_2", 512 * MiB)
+    if share.privileged:  # another user's: labelled as theirs, nothing in it opened
+        _accelerate_checkpoint(root, "checkpoint_3", TiB, uid=OTHER)
     for command in ("ls", "verify"):
         with measured() as figures:
             code, text = cli(command, str(root))
         figures.within(f"safeio {command}")
         for name in ("checkpoint_1", "checkpoint_2"):  # an archive that does not end whole
             assert any(name in line and "incomplete" in line for line in text.splitlines()), text
+        if share.privileged:
+            assert any("checkpoint_3" in line and f"(uid {OTHER})" in line for line in text.splitlines()), (
+                text
+            )
         assert code == (1 if command == "verify" else 0), (command, code, text)
 
 
@@ -151,6 +157,58 @@ def r3baseline1_zipfile_reads_what_the_end_record_claims(share: Share) -> None:
     with measured() as figures, contextlib.suppress(zipfile.BadZipFile):
         zipfile.ZipFile(path)
     assert figures.peak >= 64 * MiB, figures  # read whole, to find it is not a directory
+
+
+# ---- 2. another user's framework marker parsed whole ---------------------------------------------
+
+NESTED_LISTS = 16 * MiB
+
+
+def _trainer_checkpoint(root: Path, name: str, state: bytes, uid: int | None = None) -> Path:
+    ckpt = root / name
+    ckpt.mkdir(parents=True)
+    (ckpt / "model.safetensors").write_bytes(b"weights")
+    (ckpt / "trainer_state.json").write_bytes(state)
+    _owned(ckpt, uid)
+    return ckpt
+
+
+def _nested_lists(step: int, size: int = NESTED_LISTS) -> bytes:
+    """A trainer_state.json whose log is empty lists (16 MiB: 5.6 million, 469 MiB parsed)."""
+    return b'{"global_step": %d, "log_history": [' % step + b"[]," * (size // 3) + b"[]]}"
+
+
+@case
+def r3case2_a_framework_marker_is_parsed_within_a_memory_bound_and_only_its_owners(share: Share) -> None:
+    root = _checkpoints_root(share)
+    _trainer_checkpoint(root, "checkpoint-1", json.dumps({"global_step": 1, "log_history": []}).encode())
+    _trainer_checkpoint(root, "checkpoint-2", _nested_lists(2))  # this user's: judged within the bound
+    if share.privileged:  # another user's: labelled as theirs, never parsed
+        _trainer_checkpoint(root, "checkpoint-3", _nested_lists(3), uid=OTHER)
+    for command in ("ls", "verify"):
+        with measured() as figures:
+            _code, text = cli(command, str(root))
+        # Reading this user's 16 MiB file is the one allocation left: 469 MiB before.
+        figures.within(f"safeio {command}", memory=48 * MiB)
+        lines = text.splitlines()
+        assert any("checkpoint-1" in line and "complete by trainer_state.json" in line for line in lines), (
+            text
+        )
+        assert any("checkpoint-2" in line and "incomplete" in line for line in lines), text
+        if share.privileged:
+            assert any(
+                "checkpoint-3" in line and f"another user's (uid {OTHER})" in line for line in lines
+            ), text
+    for name in ("checkpoint-1", "checkpoint-2"):
+        assert (root / name / "trainer_state.json").exists()
+
+
+@case
+def r3baseline2_json_loads_of_nested_lists_takes_twenty_times_the_files_size(share: Share) -> None:
+    data = _nested_lists(2, 4 * MiB)  # 16 MiB took 469 MiB
+    with measured() as figures:
+        json.loads(data)
+    assert figures.peak > 64 * MiB, figures
 
 
 # ---- 3. the first file save's sweep deletes a tree --------------------------------------------------
@@ -204,6 +262,33 @@ def r3baseline3_a_sweep_by_name_removes_whatever_is_under_the_name(share: Share)
     os.rename(data, renamed)
     remove_tree(str(renamed), what="stale tmp")  # what the sweep did with a stale name: any entry, whole
     assert not renamed.exists()
+
+
+# ---- 5. root's verify hashes another user's partial step ------------------------------------------
+
+
+def _partial_step(root: Path, name: str, uid: int) -> Path:
+    """A step directory of uid's whose manifest (no step: partial) lists a sparse 1 TiB file, with a
+    checksum: hashing it takes hours."""
+    step = root / name
+    step.mkdir(parents=True)
+    _sparse(step / "weights.bin", TiB, b"x")
+    entry = {"size": TiB, "xxh3_128": "0" * 32}
+    (step / MANIFEST_NAME).write_text(json.dumps({"format": 2, "files": {"weights.bin": entry}}))
+    _owned(step, uid)
+    return step
+
+
+@case
+def r3case5_verify_of_a_root_never_hashes_another_users_partial_step(share: Share) -> None:
+    root = _checkpoints_root(share)
+    _partial_step(root, "step_5", OTHER)
+    for command in ("verify", "ls"):
+        with measured() as figures:
+            code, text = cli(command, str(root))
+        figures.within(f"safeio {command}")
+        assert any("step_5" in line and f"another user's (uid {OTHER})" in line for line in text.splitlines())
+        assert code == 0, (command, text)  # theirs is not this root's problem; ours is committed
 
 
 # ---- 6. judging planted names is quadratic, one WARNING each -------------------------------------
@@ -299,6 +384,7 @@ def r3case7_a_foreign_leftover_never_blocks_a_save_unnamed(share: Share) -> None
 
 ROOT_ONLY.update(
     {
+        "r3case5_verify_of_a_root_never_hashes_another_users_partial_step",
         "r3case7_a_foreign_leftover_never_blocks_a_save_unnamed",
     }
 )

@@ -19,6 +19,7 @@ import contextlib
 import json
 import os
 import secrets
+import stat
 import struct
 import time
 import tracemalloc
@@ -382,9 +383,46 @@ def r3case7_a_foreign_leftover_never_blocks_a_save_unnamed(share: Share) -> None
     assert result["code"] == 0 and f"{stage}: owned by uid {OTHER}" in result["gc"], result
 
 
+# ---- all of them in one share: ls, verify and gc stay bounded -------------------------------------
+
+
+@case
+def r3case_ls_verify_and_gc_of_a_share_holding_every_plant_stay_bounded(share: Share) -> None:
+    """Every plant of this round, another user's, in one Checkpoints root (the temporary files beside
+    it): each command finishes within seconds and 100 MB, naming each of them as theirs."""
+    root = _checkpoints_root(share)
+    theirs = {
+        "checkpoint_2": _accelerate_checkpoint(root, "checkpoint_2", TiB, uid=OTHER),
+        "checkpoint-3": _trainer_checkpoint(root, "checkpoint-3", _nested_lists(3), uid=OTHER),
+        "step_5": _partial_step(root, "step_5", OTHER),
+    }
+    stage = stale_sibling(root, "step_6")
+    stage.mkdir()
+    _chown_tree(stage, OTHER)
+    pid, host = dead_pid(), host_tag()
+    for i in range(PLANTED):
+        path = root / f".f{i}.safeio-tmp-{host}-{pid}-{i:08x}"
+        path.touch()
+        os.chown(path, OTHER, OTHER)
+    for command in ("ls", "verify", "gc"):
+        with measured() as figures:
+            code, text = cli(command, str(root))
+        figures.within(f"safeio {command}", memory=100 * 1000 * 1000)
+        assert code == 0, (command, text[-3000:])
+        lines = text.splitlines()
+        if command == "gc":
+            for path in [stage, root / f".f0.safeio-tmp-{host}-{pid}-{0:08x}"]:
+                assert f"{path}: owned by uid {OTHER}" in text, text[-3000:]
+        else:
+            for name in [*theirs, stage.name]:
+                assert any(name in line and f"another user's (uid {OTHER})" in line for line in lines), text
+    assert all(stat.S_ISDIR(os.lstat(path).st_mode) for path in theirs.values())
+
+
 ROOT_ONLY.update(
     {
         "r3case5_verify_of_a_root_never_hashes_another_users_partial_step",
         "r3case7_a_foreign_leftover_never_blocks_a_save_unnamed",
+        "r3case_ls_verify_and_gc_of_a_share_holding_every_plant_stay_bounded",
     }
 )

@@ -216,10 +216,11 @@ def _recover_as_this_user(
         if denied is None:
             raise
         why, me = denied.strerror or str(denied), os.geteuid()
-        owner_gc = f"uid {uid}'s `safeio gc {leftover.parent}` (or root's) removes it"
         if planned is not None and planned.verb == "remove":
+            owner_gc = f"uid {uid}'s `safeio gc {leftover.parent}` (or root's) removes it"
             reason = f"{FOREIGN} {uid}, which this user (uid {me}) may not remove here ({why}); {owner_gc}"
             return Action("keep", leftover.path, reason)
+        owner_gc = f"uid {uid}'s `safeio gc {leftover.parent}` (or root's) completes or removes it"
         needs = {"roll-forward": "rolled forward", "restore": "restored"}.get(
             planned.verb if planned is not None else "", "read to tell whether it holds a merge to complete"
         )

@@ -86,10 +86,12 @@ _WEIGHT_DIRS = ("pytorch_model_fsdp", "global_step")
 def is_complete_by_trainer(path: str) -> bool:
     """Whether a ``checkpoint-N`` written without safeio is one the Trainer finished: its own marker,
     ``trainer_state.json`` (written after the model, optimizer and RNG states), is there and parses,
-    and so are the model's weights. Read as untrusted input (the share is; ``metadata.read_json``)."""
+    and so are the model's weights. Read as untrusted input (the share is; ``metadata.read_json``):
+    within a memory bound, and only when the directory's owner wrote it (not one another user put in a
+    directory others can write)."""
     try:
         with held_directory(path) as fd:
-            state = read_json(fd, TRAINER_STATE, _STATE_CAP)
+            state = read_json(fd, TRAINER_STATE, _STATE_CAP, owner=os.fstat(fd).st_uid)
             names = os.listdir(fd)
     except OSError:
         return False

@@ -92,13 +92,24 @@ def save_state(
 
     ``step`` numbers the checkpoint (default: accelerate's ``save_iteration``). Retention follows the
     project configuration's ``total_limit`` (None: keep all) unless ``ckpts`` was given ``keep``."""
+    return committed_save_state(accelerator, ckpts, step, adopt=False, **save_state_kwargs)
+
+
+def committed_save_state(
+    accelerator: Any, ckpts: Checkpoints | None, step: int | None, *, adopt: bool, **save_state_kwargs: Any
+) -> Checkpoint:
+    """``save_state``; ``adopt``: the step's directory is the script's own (``SAFEIO_PATCH``'s
+    ``save_state(dir)``), and what it holds already — nothing, or files the script wrote there, a
+    tokenizer say — stays in the committed step, under what accelerate writes (see
+    ``Checkpoints.save``), as accelerate writes into it."""
     ckpts = ckpts if ckpts is not None else checkpoints_for(accelerator)
     config = accelerator.project_configuration
     step = accelerator.save_iteration if step is None else step
     naming = config.automatic_checkpoint_naming
     config.automatic_checkpoint_naming = False  # Checkpoints names, stages and retires the directories
     try:
-        with _retention_of(accelerator, ckpts), ckpts.save(step) as ckpt, _replicated_files_once():
+        saving = ckpts.save(step, adopt=adopt)
+        with _retention_of(accelerator, ckpts), saving as ckpt, _replicated_files_once():
             accelerator.save_state(ckpt.path, **save_state_kwargs)
     finally:
         config.automatic_checkpoint_naming = naming

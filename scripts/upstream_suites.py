@@ -63,8 +63,9 @@ def main() -> int:
         parser.error(f"unknown suites {sorted(unknown)}; known: {', '.join(NAMES)}")
     problems: list[str] = []
     rows: list[str] = []
-    print("| suite | file | tests | plain (s) | with the drop-ins (s) | differences |")
-    print("| --- | --- | --- | --- | --- | --- |")
+    columns = ["suite", "file", "tests", "passed plain", "passed with the drop-ins", "plain (s)"]
+    columns += ["with the drop-ins (s)", "differences"]
+    print("| " + " | ".join(columns) + " |\n|" + " --- |" * len(columns))
     for name in args.suites or list(suites):
         suite = suites[name]
         why = upstream.reasons(suite)
@@ -74,11 +75,16 @@ def main() -> int:
                 dropins = upstream.run(suite, (file,), Path(workdir), dropins=True, timeout=args.timeout)
             found = upstream.differences(plain, dropins)
             problems += upstream.compare(suite, (file,), plain, dropins)
-            print(
-                f"| {name} | {file} | {len(plain.outcomes)} | {plain.seconds:.1f} | {dropins.seconds:.1f} "
-                f"| {len(found)} |",
-                flush=True,
-            )
+            passed = [sum(o == "passed" for o in run.outcomes.values()) for run in (plain, dropins)]
+            cells = [
+                name,
+                file,
+                len(plain.outcomes),
+                *passed,
+                f"{plain.seconds:.1f}",
+                f"{dropins.seconds:.1f}",
+            ]
+            print("| " + " | ".join(map(str, [*cells, len(found)])) + " |", flush=True)
             for nodeid, (before, after) in found.items():
                 reason = why.get(nodeid, ("", "", "UNDOCUMENTED"))[2]
                 rows.append(f"| `{nodeid}` | {before} | {after} | {reason} |")

@@ -6,9 +6,10 @@ files through safeio's saves, which the writer alone makes, straight into the st
 skip them and get the writer's result). On leaving, every rank reports its part; the writer waits for all
 reports, bounded; when durable, every rank syncs a share of the stage's files at once (``FsyncShares``);
 the writer writes the manifest of every file (the commit marker), fsyncs it and the directories, renames
-the stage to the final name, points ``latest`` at the newest committed step, applies retention, and
-publishes the outcome. Every rank returns once the step is visible from it, or raises `CheckpointError`
-naming the ranks that failed or never reported; then nothing is committed and ``latest`` is unchanged.
+the stage to the final name (replacing an earlier commit of the step), points ``latest`` at the newest
+committed step (unless ``pointer=False``), applies retention, and publishes the outcome. Every rank
+returns once the step is visible from it, or raises `CheckpointError` naming the ranks that failed or
+never reported; then nothing is committed and ``latest`` is unchanged.
 
 ``latest()``/``steps()`` are resolved by the writer and published, so ranks whose NFS caches disagree
 still get one answer, each returning once that step is visible from it.

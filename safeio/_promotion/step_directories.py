@@ -3,13 +3,15 @@
 The writer makes ``.step_N.safeio-stage-<owner>`` beside the step's final name (``StepRename.open_stage``,
 the same stage any directory save makes); every rank writes its part there. The commit is that
 promotion's ``finish``: the stage is checked to be the directory the writer made, its modes settled, and
-under the root's lock (``.checkpoints.safeio.lock``, the ``lock`` option) the next sequence number is
-given (``.checkpoints.safeio.sequence``), the manifest of every file written last with the step and the
-sequence in it (the marker), fsynced as configured, and the stage renamed to ``step_N``: the commit
-point. Then, still under the lock, ``latest`` is pointed at it and retired steps are renamed aside; they
-are deleted after, on a background thread, without the lock. A failure after the rename is a warning:
-the step is committed. Stages of crashed saves are removed by the next save (or ``safeio gc``), never
-one whose owner may be alive.
+under the root's lock (the ``lock`` option: a flock on the root directory itself locally, a lease marker
+``.checkpoints.safeio.lock`` on a network filesystem) the next sequence number is given (recorded in
+``.checkpoints.safeio.sequence`` where the root keeps pointers), the manifest of every file written last
+with the step and the sequence in it (the marker), fsynced as configured, and the stage renamed to
+``step_N`` — exchanged with what stands there when the step is committed already, or renamed aside where
+exchange is refused: the commit point. Then, still under the lock, ``latest`` is pointed at it and
+retired steps (and a replaced old version) are renamed aside; they are deleted after, on a background
+thread, without the lock. A failure after the rename is a warning: the step is committed. Stages of
+crashed saves are removed by the next save (or ``safeio gc``), never one whose owner may be alive.
 """
 
 from __future__ import annotations
@@ -96,9 +98,10 @@ class StepRename(ExchangeRename, StepPromotion):
 
     def _adopt_existing(self) -> None:
         """``ExistingDirectory.adopt``: the files of the directory the script saves into are kept in the
-        committed step, where the save wrote nothing of the same name (its files win)."""
+        committed step, where the save wrote nothing of the same name (its files win) — also when it is
+        an earlier commit of the step: a tokenizer the script wrote there before its first save stays."""
         found = lstat_at(self.parent_fd, self.name)
-        if found is None or not self._steps.adoptable(self.name, found):
+        if found is None or not self._steps.replaceable(self.name, found, self._existing):
             return
         with held_directory(self.name, dir_fd=self.parent_fd) as existing_fd:
             carried = carry_missing(existing_fd, self.stage_fd, skip=_not_content)

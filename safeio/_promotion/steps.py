@@ -118,7 +118,8 @@ class ExistingDirectory:
     checkpoint: ``checkpoint-N`` holding only ``checkpoint-is-incomplete.txt``); the commit replaces it.
     ``adopt``: the script saves *into* a directory of its own (``accelerator.save_state(dir)`` into a
     directory it made, or wrote a tokenizer into): its files are kept in the committed step, under what
-    the save wrote, which wins. With none of them such a directory is refused."""
+    the save wrote, which wins (the files of an earlier commit of the step too, as the framework writes
+    into the directory it finds). With none of them such a directory is refused."""
 
     unmarked: Callable[[str], bool] | None = None
     placeholder: Callable[[str], bool] | None = None

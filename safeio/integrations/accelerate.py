@@ -45,11 +45,19 @@ def checkpoints_for(
     accelerator: Any, *, root: str | None = None, timeout: float | None = None, durable: bool = True
 ) -> Checkpoints:
     """The ``Checkpoints`` of an accelerator: ``<project_dir>/checkpoints/checkpoint_<N>`` (accelerate's
-    own layout), ``keep`` = the project configuration's ``total_limit``."""
+    own layout), ``keep`` = the project configuration's ``total_limit``. No pointer file there
+    (``pointer=False``): accelerate's own ``load_state()`` and ``total_limit`` rotation list that
+    directory and take a number from every name in it (an ``IndexError`` on ``latest``), so a run
+    without safeio afterwards reads it as accelerate left it."""
     config = accelerator.project_configuration
     where = root if root is not None else os.path.join(accelerator.project_dir or ".", "checkpoints")
     return Checkpoints(
-        where, keep=config.total_limit, name="checkpoint_{step}", timeout=timeout, durable=durable
+        where,
+        keep=config.total_limit,
+        name="checkpoint_{step}",
+        timeout=timeout,
+        durable=durable,
+        pointer=False,
     )
 
 

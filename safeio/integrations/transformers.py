@@ -208,15 +208,24 @@ def _save_committed(trainer: Any, model: Any, trial: Any, save: Callable[[Any, A
         step, protect=[best] if best else [], unmarked=is_complete_by_trainer, placeholder=is_jit_placeholder
     )
     with saving as ckpt, _RunView.of(run_dir, folder, ckpt.path, _mirrored(trainer, run_dir)) as view:
-        # An instance attribute for the duration: the Trainer's method builds its directories from it.
+        # An instance attribute for the duration: the Trainer's method builds its directories from it, and
+        # finds its best checkpoint there (its rotation compares paths).
         trainer._get_output_dir = lambda trial=None: view.path
+        trainer.state.best_model_checkpoint = _moved(best, run_dir, view.path)
         try:
             save(model, trial)
         finally:
             del trainer._get_output_dir
-        _point_best_at(trainer, run_dir, view.path, ckpt.path)
+            _point_best_at(trainer, run_dir, view.path, ckpt.path)
         if ckpt.is_writer:
             ckpt.retire(*view.rotated())
+
+
+def _moved(path: str | None, old: str, new: str) -> str | None:
+    """``path`` below directory ``old``, as the same path below ``new``; anything else unchanged."""
+    if path and path.startswith(old.rstrip(os.sep) + os.sep):
+        return os.path.join(new, os.path.relpath(path, old))
+    return path
 
 
 def _mirrored(trainer: Any, run_dir: str) -> Callable[[str], bool]:
@@ -225,17 +234,19 @@ def _mirrored(trainer: Any, run_dir: str) -> Callable[[str], bool]:
     limit = trainer.args.save_total_limit
     if limit is not None and limit > 0:
         return lambda name: fnmatch.fnmatchcase(name, "checkpoint-*")
-    best_step = trainer.state.best_global_step
-    best = PREFIX.format(step=best_step) if best_step else None
-    return lambda name: name == best
+    best_step = getattr(trainer.state, "best_global_step", None)  # transformers 5 (4.x: by path)
+    best_path = trainer.state.best_model_checkpoint
+    best = {PREFIX.format(step=best_step) if best_step else None, os.path.basename(best_path or "")}
+    return lambda name: name in best
 
 
 def _point_best_at(trainer: Any, run_dir: str, view: str, stage: str) -> None:
     """The Trainer found the best checkpoint in the view: point it, and the trainer state saved in the
     stage, at the run directory."""
     current = trainer.state.best_model_checkpoint
-    if current and current.startswith(view + os.sep):
-        trainer.state.best_model_checkpoint = os.path.join(run_dir, os.path.relpath(current, view))
+    moved = _moved(current, view, run_dir)
+    if moved != current:
+        trainer.state.best_model_checkpoint = moved
         if trainer.args.should_save and os.path.exists(os.path.join(stage, TRAINER_STATE)):
             trainer.state.save_to_json(os.path.join(stage, TRAINER_STATE))
 

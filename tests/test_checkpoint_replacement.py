@@ -76,13 +76,18 @@ def test_a_committed_step_saved_again_replaces_it_whole_and_becomes_the_latest(r
     assert Path(root, "latest").read_text() == "step_20"
 
 
-def test_a_root_without_pointer_files_holds_the_steps_alone(root: str) -> None:
+def test_a_root_without_pointer_files_holds_the_steps_alone(root: str, capsys: Any) -> None:
     """``pointer=False`` (the integrations' roots: the Trainer's output_dir, a script's accelerate
     directories): no ``latest``, no sequence record, no lock file — the root's listing is the steps —
     and commit order still decides the latest after a rollback (read from the markers)."""
     results = run_ranks(_rollback, 2, root, False, timeout=300)
     assert [(r.value["latest"], r.value["steps"]) for r in results] == [(20, [10, 20, 30])] * 2
     assert sorted(os.listdir(root)) == ["step_10", "step_20", "step_30"]
+    # `safeio verify` still knows it for a root of checkpoints (by its steps' markers) and checks each.
+    from safeio.cli import main
+
+    assert main(["verify", root]) == 0
+    assert "3 committed checkpoint(s)" in capsys.readouterr().out
     # The next commit is numbered after the highest a marker holds: the latest stays a commit-order fact.
     ckpts = safeio.Checkpoints(root, keep=2, pointer=False)
     _save(ckpts, 5, b"third")

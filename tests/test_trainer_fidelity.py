@@ -14,6 +14,8 @@ import logging
 import os
 from typing import Any
 
+import pytest
+
 import safeio
 from safeio.testing import hf_objects
 from safeio.testing.ranks import run_ranks
@@ -182,14 +184,18 @@ def _jit_and_no_checkpoint(rank: int, world: int, output: str, empty: str) -> di
     return seen
 
 
+@pytest.mark.parametrize("where", ["local", "nfslike"])
 def test_the_just_in_time_checkpoint_and_the_message_of_no_checkpoint_are_the_trainers(
-    shared_dir: Any,
+    where: str, shared_dir: Any, request: pytest.FixtureRequest
 ) -> None:
     """transformers' just-in-time checkpoint makes checkpoint-N holding only checkpoint-is-incomplete.txt,
     saves, and removes it: before, safeio moved that directory aside as a torn checkpoint of the plain
     Trainer's (incomplete-checkpoint-N.<time> left beside every such save, with a WARNING). And
-    train(resume_from_checkpoint=True) with no checkpoint said safeio's words, not the Trainer's."""
-    output, empty = str(shared_dir / "run"), str(shared_dir / "empty")
+    train(resume_from_checkpoint=True) with no checkpoint said safeio's words, not the Trainer's. On the
+    NFS-like mount, which refuses renameat2's exchange as NFS does, the placeholder is replaced without
+    a word too."""
+    base = shared_dir if where == "local" else request.getfixturevalue("nfslike_mount").path
+    output, empty = str(base / "run"), str(base / "empty")
     results = run_ranks(_jit_and_no_checkpoint, 2, output, empty, timeout=600)
     for rank, result in enumerate(results):
         seen = result.value

@@ -183,8 +183,11 @@ class StepRename(ExchangeRename, StepPromotion):
         self._renamed = True  # the commit point
 
     def _swap(self) -> None:
-        if exchange_disabled():
-            RenameAside._swap(self)  # SAFEIO_NO_EXCHANGE=1, as for directory saves
+        # NFS and FUSE refuse RENAME_EXCHANGE (EINVAL): asking would cost a round trip, and its fallback a
+        # WARNING on the first rollback (or just-in-time checkpoint) of every job. A step replaced there is
+        # missing for an instant, never torn: latest() meanwhile names the previous commit.
+        if exchange_disabled() or not self._noreplace_flag():
+            RenameAside._swap(self)
         else:
             super()._swap()
 

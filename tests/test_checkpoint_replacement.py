@@ -127,3 +127,60 @@ def test_at_judges_a_step_written_without_safeio_once_for_every_rank(shared_dir:
     (root / "step_3" / "weights.bin").write_bytes(b"plain")
     results = run_ranks(_judged, 2, str(root), timeout=300)
     assert [r.value for r in results] == [(3, False), (3, False)]
+
+
+def test_the_commit_locks_the_root_directory_itself(shared_dir: Path) -> None:
+    """On a local disk the root's commit lock is a flock on the root directory (no lock file in a
+    framework's own directory): a rival job holding it makes the commit wait, and time out."""
+    import fcntl
+
+    root = shared_dir / "run"
+    ckpts = safeio.Checkpoints(root, keep=None, timeout=1, pointer=False)
+    _save(ckpts, 1, b"first")
+    rival = os.open(root, os.O_RDONLY | os.O_DIRECTORY)  # another open file description: another job
+    try:
+        fcntl.flock(rival, fcntl.LOCK_EX)
+        with pytest.raises(safeio.LockTimeout), ckpts.save(2) as ckpt:
+            Path(ckpt.path, "shard_0.bin").write_bytes(b"second")
+    finally:
+        os.close(rival)
+    assert ckpts.committed() == [(1, "step_1")]
+    _save(ckpts, 2, b"second")  # released: committed
+    assert sorted(os.listdir(root)) == ["step_1", "step_2"]
+
+
+def test_a_save_adopts_the_files_of_the_directory_it_saves_into(shared_dir: Path, monkeypatch: Any) -> None:
+    """``save(step, adopt=True)`` (the accelerate patch's ``save_state(dir)``): what the directory holds
+    stays in the committed step — nested files, links as links — under what the save wrote, which wins;
+    an earlier safeio marker there is not kept. Copied where the filesystem refuses hard links."""
+    import errno
+
+    root = shared_dir / "run"
+    step = root / "step_3"
+    (step / "tokenizer").mkdir(parents=True)
+    (step / "tokenizer" / "vocab.txt").write_text("the script's")
+    (step / "optimizer.bin").write_bytes(b"stale")
+    (step / "link").symlink_to("tokenizer/vocab.txt")
+    (step / ".safeio-manifest.json").write_text('{"format": 2, "files": {}}')  # an earlier save's marker
+    real_link = os.link
+
+    def refused(*args: Any, **kwargs: Any) -> None:
+        raise OSError(errno.EXDEV, "no hard links here")
+
+    monkeypatch.setattr(os, "link", refused)
+    ckpts = safeio.Checkpoints(root, keep=None, pointer=False)
+    with ckpts.save(3, adopt=True) as ckpt:
+        Path(ckpt.path, "optimizer.bin").write_bytes(b"new")
+    monkeypatch.setattr(os, "link", real_link)
+    ckpts.wait()
+    assert safeio.verify(step) == [] and ckpts.committed() == [(3, "step_3")]
+    assert (step / "optimizer.bin").read_bytes() == b"new"
+    assert (step / "tokenizer" / "vocab.txt").read_text() == "the script's"
+    assert os.readlink(step / "link") == "tokenizer/vocab.txt"
+    assert sorted(os.listdir(root)) == ["step_3"]
+    # Without adopt, a directory safeio did not write is refused, untouched.
+    (root / "step_4").mkdir()
+    (root / "step_4" / "notes.txt").write_text("mine")
+    with pytest.raises(safeio.InvalidTargetError, match="step_4 exists"), ckpts.save(4):
+        pass
+    assert os.listdir(root / "step_4") == ["notes.txt"]

@@ -33,16 +33,25 @@ from types import TracebackType
 from typing import Any
 
 from safeio._checkpoints.pending import PendingCommit, check_future
-from safeio._coordination.calls import StoreGone, poll_until
+from safeio._coordination.calls import MalformedValue, StoreGone, poll_until
 from safeio._coordination.checkpoint_call import (
     CheckpointCall,
     FsyncShares,
     NestedResults,
     hear_fsync_share,
+    report_sync_failed,
     report_synced,
+    text,
 )
 from safeio._coordination.group import Group, resolve_group
-from safeio._errors import CheckpointError, InvalidOptionError, InvalidTargetError, PeerTimeout
+from safeio._errors import (
+    CheckpointError,
+    CollectiveMismatch,
+    InvalidOptionError,
+    InvalidTargetError,
+    PeerTimeout,
+    RemoteWriterError,
+)
 from safeio._options import SaveOptions
 from safeio._promotion import active
 from safeio._promotion.backends import backend_for
@@ -277,13 +286,16 @@ class Checkpoints:
         """The writer resolves, every rank gets its answer (or its error), visible from each (by
         ``visible``; default: committed)."""
         group = self.group()
-        call = CheckpointCall(group, self.root, what)
+        call = CheckpointCall.enter(group, self.root, what)
         deadline = time.monotonic() + self.options.timeout
         if group.is_writer:
             try:
                 found = [(int(s), str(n)) for s, n in resolve_here()]
             except InvalidTargetError as exc:
                 call.decide({"ok": False, "error": str(exc), "path": exc.path})
+                raise
+            except BaseException as exc:  # every rank hears that there is no answer
+                call.decide({"ok": False, "error": f"{type(exc).__name__}: {exc}", "path": self.root})
                 raise
             call.decide({"ok": True, "found": found})
         elif call.shared:
@@ -293,17 +305,49 @@ class Checkpoints:
                 # Rank 0, the store's host, answered and finished (the end of a run): the filesystem
                 # is all that is left to ask.
                 heard = {"ok": True, "found": resolve_here()}
+            except MalformedValue as exc:
+                raise self._malformed_answer(group, what, str(exc)) from None
             if not heard.get("ok"):
                 path = heard.get("path")
                 raise InvalidTargetError(
-                    str(heard.get("error")), path if isinstance(path, str) else self.root
+                    text(heard.get("error")), path if isinstance(path, str) else self.root
                 )
-            found = [(int(s), str(n)) for s, n in heard.get("found", [])]
+            answer = self._heard_steps(heard.get("found"))
+            if answer is None:
+                raise self._malformed_answer(group, what, f"not a list of committed steps: {text(heard)}")
+            found = answer
         else:
             found = [(int(s), str(n)) for s, n in resolve_here()]
         for _, entry in found:
             self._wait_visible(entry, deadline, group.rank, what, stage=False, visible=visible)
         return found
+
+    def _heard_steps(self, found: object) -> list[tuple[int, str]] | None:
+        """The writer's answer (input): (step, name) pairs where each name is that step's directory
+        name; None when it is not (a name heard is joined to the root: never a path elsewhere)."""
+        if not isinstance(found, list) or len(found) > 10**6:
+            return None
+        steps: list[tuple[int, str]] = []
+        for entry in found:
+            if not (isinstance(entry, list) and len(entry) == 2):
+                return None
+            step, name = entry
+            if isinstance(step, bool) or not isinstance(step, int) or not isinstance(name, str):
+                return None
+            if self.names.parse(name) != step:
+                return None
+            steps.append((step, name))
+        return steps
+
+    def _malformed_answer(self, group: Group, what: str, problem: str) -> RemoteWriterError:
+        return RemoteWriterError(
+            f"rank {group.rank}: the answer of rank {group.writer} to {what} of {self.root} in the store is "
+            f"malformed ({problem}); a value in the job's store is input (TCPStore has no authentication)",
+            self.root,
+            writer_rank=group.writer,
+            error_type="MalformedValue",
+            error_message=problem,
+        )
 
     def _wait_visible(
         self,
@@ -368,7 +412,7 @@ class CheckpointSave:
         self.ckpts.wait()  # the previous async save's commit comes first
         steps = self.ckpts._steps
         group = self.group = self.ckpts.group()
-        call = self.call = CheckpointCall(group, self.ckpts.root, f"save of step {self.step}")
+        call = self.call = CheckpointCall.enter(group, self.ckpts.root, f"save of step {self.step}")
         deadline = time.monotonic() + self.timeout
         if group.is_writer:
             try:
@@ -384,33 +428,16 @@ class CheckpointSave:
             self._syncs = self._promotion.shares_fsyncs and call.shared
             call.announce({"ok": True, "stage": self.stage_name, "sync": self._syncs})
         else:
-            heard = call.hear_announcement(deadline)
-            if not (isinstance(heard, dict) and heard.get("ok") and isinstance(heard.get("stage"), str)):
-                error = heard.get("error") if isinstance(heard, dict) else "no stage"
-                raise CheckpointError(
-                    f"rank {group.rank}: rank {group.writer} could not open the stage of step {self.step} "
-                    f"under {self.ckpts.root}: {error}",
-                    self.final,
-                    failed={group.writer: str(error)},
-                )
-            self.stage_name = heard["stage"]
-            self._syncs = heard.get("sync") is True
-            if not steps.is_stage_of(self.stage_name, self.step):
-                # Joined to the root, an absolute or dotted name would send this rank's shards elsewhere.
-                raise CheckpointError(
-                    f"rank {group.rank}: the stage name heard from rank {group.writer} for step {self.step} "
-                    f"under {self.ckpts.root} is not one safeio gives: {self.stage_name!r}",
-                    self.final,
-                    failed={group.writer: "an invalid stage name"},
-                )
             try:
-                what = f"the stage of step {self.step}"
-                self.ckpts._wait_visible(self.stage_name, deadline, group.rank, what, stage=True)
-            except PeerTimeout:
-                decided = call.outcome_if_decided()  # the writer failed and removed it already?
-                if decided is None or decided.get("ok"):
-                    raise
-                raise _failure(decided, group.rank, self.step, self.final) from None
+                self._join_stage(call, deadline)
+            except CollectiveMismatch:
+                raise  # every rank of the call hears it already
+            except BaseException as exc:
+                # Told at once, the writer fails the step naming this rank, rather than waiting for a
+                # report until its timeout (a malformed announcement killed rank 1 and left the writer
+                # waiting, issue 34).
+                call.report({"ok": False, "error": f"{type(exc).__name__}: {exc}"})
+                raise
         stage = steps.url(self.stage_name)
         if not (group.is_writer and steps.in_place_replicated):
             self._scratch = tempfile.mkdtemp(prefix="safeio-ckpt-")
@@ -425,6 +452,46 @@ class CheckpointSave:
         )
         active.push(self._entry)
         return CheckpointStage(self, stage, group.is_writer)
+
+    def _join_stage(self, call: CheckpointCall, deadline: float) -> None:
+        """A rank other than the writer: the stage the writer announced, checked, once visible here."""
+        group, steps = self.group, self.ckpts._steps
+        try:
+            heard = call.hear_announcement(deadline)
+        except MalformedValue as exc:
+            raise CheckpointError(
+                f"rank {group.rank}: the announcement of rank {group.writer} for step {self.step} under "
+                f"{self.ckpts.root} in the store is malformed ({exc}); step {self.step} is not committed "
+                f"(this rank tells rank {group.writer}, which abandons it)",
+                self.final,
+                failed={group.writer: "a malformed announcement"},
+            ) from None
+        if not (isinstance(heard, dict) and heard.get("ok") is True and isinstance(heard.get("stage"), str)):
+            error = text(heard.get("error")) if isinstance(heard, dict) else f"no stage: {text(heard)}"
+            raise CheckpointError(
+                f"rank {group.rank}: rank {group.writer} could not open the stage of step {self.step} "
+                f"under {self.ckpts.root}: {error}",
+                self.final,
+                failed={group.writer: error},
+            )
+        self.stage_name = heard["stage"]
+        self._syncs = heard.get("sync") is True
+        if not steps.is_stage_of(self.stage_name, self.step):
+            # Joined to the root, an absolute or dotted name would send this rank's shards elsewhere.
+            raise CheckpointError(
+                f"rank {group.rank}: the stage name heard from rank {group.writer} for step {self.step} "
+                f"under {self.ckpts.root} is not one safeio gives: {text(self.stage_name)}",
+                self.final,
+                failed={group.writer: "an invalid stage name"},
+            )
+        try:
+            what = f"the stage of step {self.step}"
+            self.ckpts._wait_visible(self.stage_name, deadline, group.rank, what, stage=True)
+        except PeerTimeout:
+            decided = call.outcome_if_decided()  # the writer failed and removed it already?
+            if decided is None or decided.get("ok"):
+                raise
+            raise _failure(decided, group.rank, self.step, self.final) from None
 
     def __exit__(
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
@@ -478,15 +545,36 @@ class CheckpointSave:
             except PeerTimeout:
                 raise gone from None
             return
+        except MalformedValue as malformed:
+            raise self._malformed(f"its outcome ({malformed})") from None
+        problem = _outcome_problem(outcome)
+        if problem is not None:
+            raise self._malformed(f"its outcome ({problem})")
         if not outcome.get("ok"):
             raise _failure(outcome, rank, self.step, self.final)
         self._note_warnings(outcome.get("warnings"))
         self.ckpts._wait_visible(self.final_name, deadline, rank, what, stage=False)
 
+    def _malformed(self, what: str) -> CheckpointError:
+        """A value the writer sets is malformed: this rank cannot know the outcome from it."""
+        writer = self.group.writer
+        return CheckpointError(
+            f"rank {self.group.rank}: {what} heard from rank {writer} in the store for step {self.step} "
+            f"is malformed; this rank does not know whether step {self.step} was committed: latest() "
+            "decides (a value in the job's store is input: TCPStore has no authentication)",
+            self.final,
+            failed={writer: f"malformed {what}"},
+        )
+
     def _sync_share(self, deadline: float) -> None:
         """This rank's share of the commit's fsyncs (see FsyncShares), at the same time as every other
         rank's; the files it cannot sync are named back, and the writer syncs them."""
-        share = hear_fsync_share(self.call, deadline)
+        try:
+            share = hear_fsync_share(self.call, deadline)
+        except MalformedValue as exc:
+            # The writer fails the commit naming this rank at once, rather than waiting for its answer.
+            report_sync_failed(self.call, f"the fsync shares it heard are malformed ({exc})")
+            raise self._malformed(f"its fsync shares ({exc})") from None
         if share is None:
             return  # the writer decided first: nothing will be committed
         left = [rel for rel in share if not is_relative_name(rel)]  # input: never a path out of the stage
@@ -501,42 +589,52 @@ class CheckpointSave:
     def _note_warnings(self, warnings: object) -> None:
         if not isinstance(warnings, list):
             return
-        self.warnings = [str(w) for w in warnings]
+        self.warnings = [text(w) for w in warnings[:100]]
         for warning in self.warnings:
             logger.warning("%s: %s", who(self.group.rank), warning)
 
     # -- the writer ----------------------------------------------------------------------------------
 
     def _exit_writer(self, exc: BaseException | None) -> None:
+        """Collect, commit, decide. Whatever raises before the decision (a rank's malformed value, a
+        failed commit, an interrupt), the stage is abandoned and every rank is told: no rank waits for an
+        outcome that will never come."""
         promotion = self._promotion
         assert promotion is not None, "the writer opened the stage"
         rank = self.group.rank
-        failed: dict[int, str]
-        missing: list[int]
         if exc is not None:
-            failed, missing = {rank: f"{type(exc).__name__}: {exc}"}, []
-        else:
-            failed, missing = self.call.collect(time.monotonic() + self.timeout)
-        if failed or missing:
-            _abandon(promotion)
-            outcome = {"ok": False, "failed": {str(r): e for r, e in failed.items()}, "missing": missing}
-            self.call.decide(outcome)
-            if exc is not None:
-                return  # the writer's own error propagates
-            raise _failure(outcome, rank, self.step, self.final)
+            self._not_committed({rank: f"{type(exc).__name__}: {exc}"}, [])
+            return  # the writer's own error propagates
         try:
-            # The stage the writer's replicated files are in: the shared one, or scratch (uploaded).
-            shares = FsyncShares(self.call, self.timeout) if self._syncs else None
-            promoted = promotion.finish_step(self._scratch or self._stage, shares)
-        except BaseException as commit_error:
-            _abandon(promotion)
-            self.call.decide(
-                {"ok": False, "failed": {str(rank): f"{type(commit_error).__name__}: {commit_error}"}}
-            )
+            failed, missing = self.call.collect(time.monotonic() + self.timeout)
+            if not (failed or missing):
+                # The stage the writer's replicated files are in: the shared one, or scratch (uploaded).
+                shares = FsyncShares(self.call, self.timeout) if self._syncs else None
+                promoted = promotion.finish_step(self._scratch or self._stage, shares)
+        except CollectiveMismatch:
+            _abandon(promotion)  # every rank of the call has heard it from the rank that found it
             raise
+        except CheckpointError as ranks_failed:
+            if not (ranks_failed.failed or ranks_failed.missing):
+                self._not_committed({rank: f"{type(ranks_failed).__name__}: {ranks_failed}"}, [])
+                raise
+            failed, missing = ranks_failed.failed, ranks_failed.missing  # a rank's share failed the commit
+        except BaseException as commit_error:
+            self._not_committed({rank: f"{type(commit_error).__name__}: {commit_error}"}, [])
+            raise
+        if failed or missing:
+            raise _failure(self._not_committed(failed, missing), rank, self.step, self.final)
         # Committed: what failed after the commit point is a warning every rank hears, never a failure.
         self.call.decide({"ok": True, "path": self.final, "warnings": list(promoted.warnings)})
         self._note_warnings(list(promoted.warnings))
+
+    def _not_committed(self, failed: dict[int, str], missing: list[int]) -> dict[str, Any]:
+        """The writer: the stage goes and every rank hears that nothing was committed, and why."""
+        assert self._promotion is not None
+        _abandon(self._promotion)
+        outcome = {"ok": False, "failed": {str(r): e for r, e in failed.items()}, "missing": missing}
+        self.call.decide(outcome)
+        return outcome
 
 
 def _check_keep(keep: object, root: str | os.PathLike[str]) -> None:
@@ -553,11 +651,37 @@ def _abandon(promotion: StepPromotion) -> None:
         promotion.discard("")
 
 
+def _outcome_problem(outcome: dict[str, Any]) -> str | None:
+    """What is wrong with a save's outcome heard from the store (input), or None."""
+    failed, missing, warnings = (
+        outcome.get("failed", {}),
+        outcome.get("missing", []),
+        outcome.get("warnings", []),
+    )
+    if not (isinstance(failed, dict) and all(r.isdigit() and isinstance(e, str) for r, e in failed.items())):
+        return f"failed is not a map of ranks to errors: {text(failed)}"
+    if not (isinstance(missing, list) and all(_is_rank(r) for r in missing)):
+        return f"missing is not a list of ranks: {text(missing)}"
+    if not (isinstance(warnings, list) and all(isinstance(w, str) for w in warnings)):
+        return f"warnings is not a list of texts: {text(warnings)}"
+    return None
+
+
+def _is_rank(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and 0 <= value < 1 << 31
+
+
 def _failure(outcome: dict[str, Any], rank: int, step: int, final: str) -> CheckpointError:
-    failed = {int(r): str(e) for r, e in (outcome.get("failed") or {}).items()}
-    missing = [int(r) for r in outcome.get("missing") or []]
-    parts = [f"rank {r}: {e}" for r, e in sorted(failed.items())]
-    parts.extend(f"rank {r} never reported (died, or still in its body)" for r in missing)
+    """The error every rank raises for a failed step; ``outcome`` as heard from the store (input)."""
+    heard_failed, heard_missing = outcome.get("failed"), outcome.get("missing")
+    failed = {
+        int(r): text(e)
+        for r, e in (heard_failed.items() if isinstance(heard_failed, dict) else ())
+        if isinstance(r, str) and r.isdigit() and len(r) < 8
+    }
+    missing = [r for r in (heard_missing if isinstance(heard_missing, list) else ()) if _is_rank(r)]
+    parts = [f"rank {r}: {e}" for r, e in sorted(failed.items())[:16]]
+    parts.extend(f"rank {r} never reported (died, or still in its body)" for r in missing[:16])
     return CheckpointError(
         f"rank {rank}: step {step} was not committed ({'; '.join(parts) or 'failed'}); nothing was "
         f"committed at {final} and latest is unchanged",

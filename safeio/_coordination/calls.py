@@ -23,15 +23,21 @@ import threading
 import time
 from collections.abc import Callable, Iterable
 from datetime import timedelta
+from typing import Any
 
 from safeio._boundary import store_timed_out
 from safeio._coordination.group import Group
 from safeio._errors import PeerTimeout
+from safeio._storage.metadata import Damaged, parse_json
 from safeio._who import who
 
 logger = logging.getLogger("safeio")
 
 SLICE = 30.0  # one store.wait at most this long, so a long wait still logs and notices its deadline
+# The largest store value parsed: a durable commit's fsync shares, the largest value safeio sets, name
+# every file of the checkpoint (60,000 names of 60 bytes fit; a larger set is synced by the writer alone).
+# TCPStore itself refuses values over 8 MiB.
+VALUE_CAP = 4 << 20
 
 _counter_lock = threading.Lock()
 _counters: dict[object, int] = {}
@@ -52,6 +58,21 @@ def digest(text: str, size: int) -> str:
 
 class StoreGone(PeerTimeout):
     """The store is unreachable while a rank waits: rank 0 hosts it and may have finished."""
+
+
+class MalformedValue(Exception):
+    """A store value that is not what safeio sets there. Every value is untrusted input: TCPStore has
+    no authentication, so anyone who reaches its port can set any key (JSON nested 100,000 deep made
+    ``json.loads`` raise RecursionError and killed the writer of a checkpoint before it published an
+    outcome). Callers turn it into the SafeIOError of their call, naming the rank the value is from."""
+
+
+def parse_value(raw: bytes, key: str) -> Any:
+    """``raw`` (the value of ``key``) as JSON, within a size cap and a depth bound; else MalformedValue."""
+    parsed = parse_json(raw, f"store value {key}", VALUE_CAP)
+    if isinstance(parsed, Damaged):
+        raise MalformedValue(parsed.reason)
+    return parsed
 
 
 class StoreCall:
@@ -78,6 +99,17 @@ class StoreCall:
         store = self.group.store
         assert store is not None, "set() on a call without a store"
         store.set(self.key(name), value)
+
+    def claim(self, name: str, value: str) -> bytes:
+        """Set ``name`` to ``value`` unless it is set; return what it holds then (one round trip,
+        atomic: of several ranks claiming one key, exactly one sets it and every one sees its value). A
+        store without ``compare_set`` (a custom one) cannot tell: each rank sees its own value."""
+        store = self.group.store
+        assert store is not None, "claim() on a call without a store"
+        compare_set = getattr(store, "compare_set", None)
+        if compare_set is None:
+            return value.encode()
+        return bytes(compare_set(self.key(name), "", value))
 
     def get_now(self, name: str) -> bytes | None:
         """The value of ``name`` if it is set; None otherwise, or if the store cannot say. Never waits."""

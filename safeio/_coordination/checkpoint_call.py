@@ -1,9 +1,18 @@
 """A checkpoint's calls in the store: every rank reports, the writer decides, everyone hears it, bounded.
 
 Keys live under ``safeio/ckpt/<root digest>/<n>``, where ``n`` numbers this process's collective calls on
-the root (``save`` and ``latest()`` are collective: every rank makes them, in the same order). The writer
-never blocks forever: it waits for the other ranks' reports at most until the deadline and then names the
-ranks that never reported. The keys go once every other rank has read the outcome.
+the root (``save`` and ``latest()`` are collective: every rank of a group of several makes them, in the
+same order). A call of a group of one process (``get_last_checkpoint``'s own reading of a directory) is
+not collective and takes no number: ranks that make different numbers of such readings still agree on
+the numbers of the calls they make together. The first rank to enter call ``n`` records what it is
+("save of step 5", "latest()"); every other rank compares on entry, in the same round trip, and a rank
+that skipped a call or made one more is named at once on every rank of that call (``CollectiveMismatch``)
+instead of each waiting out its timeout for keys the others never set. The writer never blocks forever:
+it waits for the other ranks' reports at most until the deadline and then names the ranks that never
+reported. The keys go once every other rank has read the outcome.
+
+Every value read from the store is untrusted input (``parse_value``): a value that is not what safeio
+sets is "malformed", an error naming the rank it is from, and the writer still decides an outcome.
 
 Saves nested in the body that only the writer keeps (a tokenizer's ``save_pretrained``) are made by the
 writer alone: it publishes each one's result under the call (``result/<identity>/<n>``), the other ranks
@@ -17,13 +26,23 @@ import time
 from dataclasses import asdict
 from typing import Any
 
-from safeio._coordination.calls import SLICE, StoreCall, StoreGone, digest, next_number
+from safeio._coordination.calls import (
+    SLICE,
+    VALUE_CAP,
+    MalformedValue,
+    StoreCall,
+    StoreGone,
+    digest,
+    next_number,
+    parse_value,
+)
 from safeio._coordination.channel import Outcome, decode_value, encode_value
 from safeio._coordination.group import Group
-from safeio._errors import CheckpointError, PeerTimeout
+from safeio._errors import CheckpointError, CollectiveMismatch, PeerTimeout
 
 # How long the writer waits for the other ranks' fsyncs beyond four times its own share's (FsyncShares).
 _SYNC_GRACE = 30.0
+_TEXT_CAP = 2000  # characters of a rank's error message kept (a value is input: it may be huge)
 
 
 class DecidedFirst(Exception):
@@ -34,8 +53,15 @@ class DecidedFirst(Exception):
         self.outcome = outcome
 
 
+def text(value: object) -> str:
+    """A rank's message heard through the store, bounded for our own messages."""
+    message = value if isinstance(value, str) else repr(value)
+    return message if len(message) <= _TEXT_CAP else message[:_TEXT_CAP] + "..."
+
+
 class CheckpointCall:
-    """One collective call (``what``: "save of step 5", "latest()") on the checkpoint root ``root``."""
+    """One collective call (``what``: "save of step 5", "latest()") on the checkpoint root ``root``.
+    Made by ``enter``."""
 
     def __init__(
         self,
@@ -43,22 +69,34 @@ class CheckpointCall:
         root: str,
         what: str,
         *,
-        call: StoreCall | None = None,
+        number: int,
+        call: StoreCall,
         published: list[str] | None = None,
         announced_fsyncs: bool = False,
     ) -> None:
         self.group = group
         self.root = root
         self.what = what
+        self.number = number  # this call's place among the root's collective calls (0: not collective)
         # Keys the writer set for the body's saves (NestedResults): deleted with the call's own keys.
         self.published: list[str] = published if published is not None else []
         # Whether the writer told the ranks to wait for their fsyncs (FsyncShares), and has handed them out.
         self.announced_fsyncs = announced_fsyncs
         self.handed_out = False
-        if call is None:
-            prefix = f"safeio/ckpt/{digest(root, 16)}/{next_number(('checkpoints', root))}"
-            call = StoreCall(group, prefix, root)
         self._call = call
+
+    @classmethod
+    def enter(cls, group: Group, root: str, what: str) -> CheckpointCall:
+        """This rank's next collective call on ``root``, checked against what the rank that entered it
+        first makes there (``CollectiveMismatch`` on a difference)."""
+        # Only a group of several ranks makes collective calls: a process-alone reading took a number
+        # too, and ranks that made different numbers of them (a script's `get_last_checkpoint(out) if
+        # os.path.isdir(out) else None`) waited under different numbers at the next save, each for its
+        # timeout (issue 32: a Ray Train job stuck at its first checkpoint).
+        number = next_number(("checkpoints", root)) if group.world_size > 1 else 0
+        call = cls(group, root, what, number=number, call=StoreCall(group, _prefix(root, number), root))
+        call._check_entry()
+        return call
 
     def on_group(self, group: Group) -> CheckpointCall:
         """The same call through another connection to the store (the async commit's thread)."""
@@ -66,6 +104,7 @@ class CheckpointCall:
             group,
             self.root,
             self.what,
+            number=self.number,
             call=self._call.on_group(group),
             published=self.published,
             announced_fsyncs=self.announced_fsyncs,
@@ -77,6 +116,80 @@ class CheckpointCall:
 
     def _set(self, name: str, value: Any) -> None:
         self._call.set(name, json.dumps(value))
+
+    # -- entering: every rank makes the same call -----------------------------------------------------
+
+    def _check_entry(self) -> None:
+        if not self.shared:
+            return
+        rank = self.group.rank
+        raw = self._call.claim("call", json.dumps({"rank": rank, "what": self.what}))
+        try:
+            first = parse_value(raw, self._call.key("call"))
+        except MalformedValue as exc:
+            raise self._diverged({rank: self.what}, f"the record of this call is malformed ({exc})") from None
+        if isinstance(first, dict) and first.get("what") == self.what:
+            return
+        theirs = _entrant(first)
+        if theirs is None:
+            raise self._diverged({rank: self.what}, "the record of this call is malformed")
+        raise self._diverged({rank: self.what, theirs[0]: theirs[1]}, "")
+
+    def _diverged(self, calls: dict[int, str], problem: str) -> CollectiveMismatch:
+        """This rank found that the ranks' calls differ: every key a rank of this call may be waiting
+        for is set to say so (they wake at once), and the error to raise here."""
+        record = {
+            "call": self.number,
+            "calls": {str(r): w for r, w in calls.items()},
+            "found_by": self.group.rank,
+            "problem": problem,
+        }
+        names = ["announce", "outcome", "fsync"]
+        for r in range(self.group.world_size):
+            if r != self.group.writer:
+                names += [f"rank/{r}", f"synced/{r}"]
+        value = json.dumps({"diverged": record})
+        for name in names:
+            self._call.set(name, value)
+        return self._mismatch(record)
+
+    def _mismatch(self, record: object) -> CollectiveMismatch:
+        """The error every rank of a diverged call raises (``record`` as heard: input)."""
+        rank = self.group.rank
+        record = record if isinstance(record, dict) else {}
+        calls: dict[int, str] = {}
+        raw_calls = record.get("calls")
+        if isinstance(raw_calls, dict):
+            for r, what in list(raw_calls.items())[:8]:
+                if isinstance(r, str) and r.isdigit() and isinstance(what, str):
+                    calls[int(r)] = text(what)
+        found_by = record.get("found_by")
+        problem = record.get("problem")
+        parts = [f"rank {r} is in {w}" for r, w in sorted(calls.items())]
+        detail = " while ".join(parts) if len(parts) > 1 else (parts[0] if parts else "")
+        if isinstance(problem, str) and problem:
+            detail = f"{detail} ({text(problem)})" if detail else text(problem)
+        found = f"; found by rank {found_by}" if isinstance(found_by, int) and found_by != rank else ""
+        return CollectiveMismatch(
+            f"rank {rank}: the ranks' collective calls on {self.root} differ at call {self.number}: "
+            f"{detail or 'what each rank makes there is unknown'}{found}. save(), latest(), at() and "
+            "steps() are collective: every rank of the group makes them, in the same order; one rank "
+            "skipped a call or made one more (a reading of one process alone takes "
+            "group=safeio.Group(), as safeio.integrations.transformers.get_last_checkpoint does)",
+            self.root,
+            call=self.number,
+            calls=calls,
+        )
+
+    # -- waiting --------------------------------------------------------------------------------------
+
+    def _parse(self, raw: bytes, name: str) -> Any:
+        """A value of this call as JSON; MalformedValue if it is not; CollectiveMismatch if a rank found
+        that the ranks' calls differ."""
+        value = parse_value(raw, self._call.key(name))
+        if isinstance(value, dict) and "diverged" in value:
+            raise self._mismatch(value["diverged"])
+        return value
 
     def _wait(
         self, name: str, deadline: float, waiting_for: str, *, slice_seconds: float | None = None
@@ -93,10 +206,7 @@ class CheckpointCall:
             raw = self._call.wait(name, deadline, expired=expired)  # StoreGone: the store's host has left
         else:
             raw = self._wait_checking_outcome(name, deadline, expired, slice_seconds)
-        try:
-            return json.loads(raw)
-        except ValueError:
-            return None
+        return self._parse(raw, name)
 
     def _wait_checking_outcome(self, name: str, deadline: float, expired: Any, slice_seconds: float) -> bytes:
         """Wait for ``name`` in slices; between them, raise ``DecidedFirst`` if the writer has decided the
@@ -123,6 +233,7 @@ class CheckpointCall:
             self._set("announce", value)
 
     def hear_announcement(self, deadline: float) -> Any:
+        """Every other rank: what the writer announced (MalformedValue when it is not what it sets)."""
         return self._wait("announce", deadline, f"rank {self.group.writer}'s stage")
 
     def report(self, value: dict[str, Any]) -> None:
@@ -131,7 +242,8 @@ class CheckpointCall:
             self._set(f"rank/{self.group.rank}", value)
 
     def collect(self, deadline: float) -> tuple[dict[int, str], list[int]]:
-        """The writer: every other rank's report, bounded. Returns (failed rank -> error, missing ranks)."""
+        """The writer: every other rank's report, bounded. Returns (failed rank -> error, missing ranks);
+        a report that is not one is that rank's failure ("malformed")."""
         failed: dict[int, str] = {}
         missing: list[int] = []
         if not self.shared:
@@ -144,9 +256,12 @@ class CheckpointCall:
             except PeerTimeout:
                 missing.append(rank)
                 continue
+            except MalformedValue as exc:
+                failed[rank] = f"its report in the store is malformed ({exc})"
+                continue
             if not (isinstance(report, dict) and report.get("ok") is True):
                 error = report.get("error") if isinstance(report, dict) else None
-                failed[rank] = str(error or "failed")
+                failed[rank] = text(error) if error else "failed (a report that is not one)"
         return failed, missing
 
     def decide(self, value: dict[str, Any]) -> None:
@@ -160,27 +275,52 @@ class CheckpointCall:
             self._set("outcome", {**value, "drop": list(self.published)})
 
     def outcome_if_decided(self) -> dict[str, Any] | None:
-        """The writer's outcome if it is already published (never waits)."""
+        """The writer's outcome if it is already published (never waits); None if not, or malformed
+        (the wait for it says so)."""
         raw = self._call.get_now("outcome")
+        if raw is None:
+            return None
         try:
-            value = json.loads(raw) if raw is not None else None
-        except ValueError:
+            value = self._parse(raw, "outcome")
+        except MalformedValue:
             return None
         return value if isinstance(value, dict) else None
 
     def hear_outcome(self, deadline: float) -> dict[str, Any]:
-        value = self._wait("outcome", deadline, f"rank {self.group.writer}'s commit")
-        ranks = range(self.group.world_size)
-        names = [
-            "announce",
-            "outcome",
-            "fsync",
-            *(f"rank/{r}" for r in ranks),
-            *(f"synced/{r}" for r in ranks),
-            *_result_keys(value),
-        ]
-        self._call.acknowledge(names, self.group.world_size - 1)
-        return value if isinstance(value, dict) else {"ok": False, "error": "a malformed outcome"}
+        """Every other rank: the writer's decision (MalformedValue when it is not one; acknowledged
+        either way, so the call's keys still go)."""
+        raw_value: Any = None
+        try:
+            raw_value = self._wait("outcome", deadline, f"rank {self.group.writer}'s commit")
+        finally:
+            ranks = range(self.group.world_size)
+            names = [
+                "call",
+                "announce",
+                "outcome",
+                "fsync",
+                *(f"rank/{r}" for r in ranks),
+                *(f"synced/{r}" for r in ranks),
+                *_result_keys(raw_value),
+            ]
+            self._call.acknowledge(names, self.group.world_size - 1)
+        if not isinstance(raw_value, dict) or not isinstance(raw_value.get("ok"), bool):
+            raise MalformedValue(f"the outcome is not one: {text(raw_value)}")
+        return raw_value
+
+
+def _prefix(root: str, number: int) -> str:
+    return f"safeio/ckpt/{digest(root, 16)}/{number}"
+
+
+def _entrant(record: object) -> tuple[int, str] | None:
+    """(rank, what) of a call's record (input), or None if it is not one."""
+    if not isinstance(record, dict):
+        return None
+    rank, what = record.get("rank"), record.get("what")
+    if isinstance(rank, bool) or not isinstance(rank, int) or not isinstance(what, str):
+        return None
+    return rank, text(what)
 
 
 def _result_keys(outcome: Any) -> list[str]:
@@ -231,28 +371,25 @@ class NestedResults:
 
     def hear(self, identity: str) -> Any:
         name = self._name(identity)
-        waiting_for = f"rank {self._call.group.writer}'s result of {identity}"
+        call = self._call
+        writer = call.group.writer
+        waiting_for = f"rank {writer}'s result of {identity}"
         deadline = time.monotonic() + self._timeout
         try:
             # The writer may have failed before it reached this save: the outcome is looked at between
             # slices (long ones: each expired store wait logs a c10d warning), so the rank hears of it.
-            raw = self._call._wait(name, deadline, waiting_for, slice_seconds=SLICE)
+            raw = call._wait(name, deadline, waiting_for, slice_seconds=SLICE)
         except DecidedFirst:
             raise CheckpointError(
-                f"rank {self._call.group.rank}: rank {self._call.group.writer} failed {self._call.what} of "
-                f"{self._call.root} before it made the save this rank waits for ({identity})",
-                self._call.root,
-                failed={self._call.group.writer: "failed before the save"},
+                f"rank {call.group.rank}: rank {writer} failed {call.what} of "
+                f"{call.root} before it made the save this rank waits for ({identity})",
+                call.root,
+                failed={writer: "failed before the save"},
             ) from None
-        try:
-            outcome = Outcome(**raw) if isinstance(raw, dict) else None
-        except TypeError:
-            outcome = None
-        if outcome is None:
-            outcome = Outcome(
-                False, self._call.root, self._call.group.writer, "ValueError", "a malformed result"
-            )
-        outcome.raise_if_failed(self._call.group.rank)
+        except MalformedValue as exc:
+            raw = {"malformed": str(exc)}
+        outcome = Outcome.from_record(raw, call.root, writer)
+        outcome.raise_if_failed(call.group.rank)
         return decode_value(outcome.value)
 
 
@@ -268,7 +405,8 @@ class FsyncShares:
     NFS a client's close() has already written its data to the server (close-to-open), where a COMMIT
     from any client makes it stable. Shares are balanced by size (the dirty bytes are what fsync costs).
     A rank that does not answer in time (four times as long as the writer took for its own share, and at
-    least 30 s) costs only speed: the writer syncs its share itself."""
+    least 30 s) costs only speed: the writer syncs its share itself. An answer that is not one fails the
+    commit, naming the rank (a value in the store is input)."""
 
     def __init__(self, call: CheckpointCall, timeout: float) -> None:
         self._call = call
@@ -286,9 +424,13 @@ class FsyncShares:
             rank = min(ranks, key=lambda r: (loads[r], r))
             shares[rank].append(rel)
             loads[rank] += max(size, 1)
+        encoded = json.dumps({str(rank): names for rank, names in shares.items()})
+        if len(encoded) > VALUE_CAP:  # the ranks would refuse it as malformed: the writer syncs all
+            shares = {rank: (list(sizes) if rank == group.writer else []) for rank in ranks}
+            encoded = json.dumps({str(rank): names for rank, names in shares.items()})
         self._shares = shares
         self._handed_at = time.monotonic()
-        self._call._set("fsync", {str(rank): names for rank, names in shares.items()})
+        self._call._call.set("fsync", encoded)
         self._call.handed_out = True
         return shares[group.writer]
 
@@ -307,10 +449,28 @@ class FsyncShares:
             except PeerTimeout:
                 left.extend(share)  # never answered: its share is the writer's
                 continue
+            except MalformedValue as exc:
+                raise CheckpointError(
+                    f"rank {self._call.group.rank}: rank {rank}'s answer to its share of the commit's "
+                    f"fsyncs in the store is malformed ({exc})",
+                    self._call.root,
+                    failed={rank: "a malformed answer to its fsync share"},
+                ) from None
+            error = answer.get("error") if isinstance(answer, dict) else None
             unsynced = answer.get("left") if isinstance(answer, dict) else None
-            if not isinstance(unsynced, list):
-                left.extend(share)
-                continue
+            if error is not None:
+                raise CheckpointError(
+                    f"rank {self._call.group.rank}: rank {rank} could not sync its share: {text(error)}",
+                    self._call.root,
+                    failed={rank: text(error)},
+                )
+            if not (isinstance(unsynced, list) and all(isinstance(name, str) for name in unsynced)):
+                raise CheckpointError(
+                    f"rank {self._call.group.rank}: rank {rank}'s answer to its share of the commit's "
+                    f"fsyncs in the store is malformed (not a list of names: {text(unsynced)})",
+                    self._call.root,
+                    failed={rank: "a malformed answer to its fsync share"},
+                )
             own = set(share)
             left.extend(name for name in unsynced if name in own)  # input: only names it was given
         return left
@@ -318,14 +478,25 @@ class FsyncShares:
 
 def hear_fsync_share(call: CheckpointCall, deadline: float) -> list[str] | None:
     """A rank other than the writer, after reporting its body: its share of the stage's files to sync;
-    None when the writer decided the outcome without handing any out (a failure: nothing is committed)."""
+    None when the writer decided the outcome without handing any out (a failure: nothing is committed).
+    MalformedValue when what it heard is not a share."""
     shares = call._wait("fsync", deadline, f"rank {call.group.writer}'s fsync shares")
-    if not isinstance(shares, dict) or shares.get("none") is True:
+    if not isinstance(shares, dict):
+        raise MalformedValue(f"the fsync shares are not a mapping: {text(shares)}")
+    if shares.get("none") is True:
         return None
-    share = shares.get(str(call.group.rank))
-    return [str(name) for name in share] if isinstance(share, list) else []
+    share = shares.get(str(call.group.rank), [])
+    if not (isinstance(share, list) and all(isinstance(name, str) for name in share)):
+        raise MalformedValue(f"this rank's fsync share is not a list of names: {text(share)}")
+    return list(share)
 
 
 def report_synced(call: CheckpointCall, left: list[str]) -> None:
     """A rank other than the writer: its share is synced but for ``left``."""
     call._set(f"synced/{call.group.rank}", {"left": left})
+
+
+def report_sync_failed(call: CheckpointCall, error: str) -> None:
+    """A rank other than the writer that cannot take part in the commit's fsyncs (it gave up, or what it
+    heard was malformed): the writer fails the commit naming it, instead of waiting for its answer."""
+    call._set(f"synced/{call.group.rank}", {"error": error})

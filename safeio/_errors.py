@@ -87,7 +87,11 @@ class LockTimeout(SafeIOError, TimeoutError):
 
 
 class PeerTimeout(SafeIOError, TimeoutError):
-    """A rank waited past its timeout for another rank (``waited_for``), last seen in ``phase``."""
+    """A rank waited past its timeout for another rank (``waited_for``), which was last reported in
+    ``phase``. In a checkpoint's calls also: ``step`` (None for ``latest()``), ``elapsed`` (seconds this
+    rank waited) and, for a rank that gave up inside ``save``, ``outcome``: ``"not committed"`` (the
+    writer sees this rank gave up and commits nothing) or ``"unknown"`` (the writer had already begun the
+    commit's rename: ``latest()`` tells whether the step is committed)."""
 
     def __init__(
         self,
@@ -96,10 +100,16 @@ class PeerTimeout(SafeIOError, TimeoutError):
         *,
         waited_for: int | None = None,
         phase: str | None = None,
+        step: int | None = None,
+        elapsed: float | None = None,
+        outcome: str | None = None,
     ) -> None:
         super().__init__(message, path)
         self.waited_for = waited_for
         self.phase = phase
+        self.step = step
+        self.elapsed = elapsed
+        self.outcome = outcome
 
 
 class RemoteWriterError(SafeIOError):

@@ -98,8 +98,8 @@ def test_a_rank_that_makes_one_more_collective_call_is_named_at_once_on_every_ra
         assert f"rank {r.rank}: the ranks' collective calls on {root} differ at call 1" in v["error"]
         assert "rank 0 is in save of step 1 while rank 1 is in latest()" in v["error"], v
         assert v["took"] < 60, v  # one round trip, not a timeout (600 s)
-    assert not (root / "step_1").exists()
-    assert [p.name for p in root.iterdir() if "step_1" in p.name] == []  # no stage left either
+    left = [p.name for p in root.iterdir() if "step_1" in p.name] if root.exists() else []
+    assert left == []  # neither the step nor its stage
 
 
 def test_a_group_of_one_process_never_touches_the_store(tmp_path: Path) -> None:

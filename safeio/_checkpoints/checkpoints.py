@@ -32,8 +32,8 @@ from dataclasses import dataclass
 from types import TracebackType
 from typing import Any
 
-from safeio._checkpoints.pending import PendingCommit, check_future
-from safeio._coordination.calls import MalformedValue, StoreGone, poll_until
+from safeio._checkpoints.pending import PendingCommit, check_future, wait_for_future
+from safeio._coordination.calls import MalformedValue, Progress, StoreGone, poll_until
 from safeio._coordination.checkpoint_call import (
     CheckpointCall,
     FsyncShares,
@@ -43,7 +43,20 @@ from safeio._coordination.checkpoint_call import (
     report_synced,
     text,
 )
+from safeio._coordination.checkpoint_status import (
+    ASYNC_SAVE,
+    BODY,
+    COMMIT_PHASES,
+    DONE,
+    FSYNC,
+    OUTCOME,
+    REPORT,
+    RESOLVE,
+    STAGE,
+    advice,
+)
 from safeio._coordination.group import Group, resolve_group
+from safeio._diagnostics.watchdog import Watchdog
 from safeio._errors import (
     CheckpointError,
     CollectiveMismatch,
@@ -56,6 +69,7 @@ from safeio._options import SaveOptions
 from safeio._promotion import active
 from safeio._promotion.backends import backend_for
 from safeio._promotion.steps import LATEST, MEGATRON_TRACKER, StepNames, StepPromotion, check_step
+from safeio._stalls import Cadence, seconds
 from safeio._storage.dirfd import fsync_files, held_directory, is_relative_name
 from safeio._storage.fsops import discard_tree
 from safeio._who import who
@@ -114,7 +128,10 @@ class Checkpoints:
 
     ``keep``: how many of the most recent commits retention keeps (default 3; None: all).
     ``keep_given`` says whether it was passed: the accelerate adapter applies the script's own
-    ``total_limit`` to a ``Checkpoints`` given none."""
+    ``total_limit`` to a ``Checkpoints`` given none. ``timeout`` bounds every wait; ``warn_after``
+    (default ``SAFEIO_WARN_AFTER``, else 60 s) is when a rank stuck in one phase of a call logs a
+    WARNING with its stack, and every rank waiting for it one naming it and its phase, repeated with
+    backoff (see docs/no-silent-hangs.md)."""
 
     def __init__(
         self,
@@ -127,11 +144,12 @@ class Checkpoints:
         durable: bool = True,
         lock: bool | str = "auto",
         megatron_tracker: bool = False,
+        warn_after: float | None = None,
     ) -> None:
         backend = backend_for(root)
         _check_keep(keep, root)
         names = StepNames(name, backend.url())
-        self.options = SaveOptions.of(timeout=timeout, durable=durable, lock=lock)
+        self.options = SaveOptions.of(timeout=timeout, durable=durable, lock=lock, warn_after=warn_after)
         self._steps = backend.steps(names, self.options, keep=keep, megatron_tracker=megatron_tracker)
         self.root = self._steps.root_url
         self.keep_given = keep is not DEFAULT_KEEP  # see DEFAULT_KEEP
@@ -286,41 +304,58 @@ class Checkpoints:
         """The writer resolves, every rank gets its answer (or its error), visible from each (by
         ``visible``; default: committed)."""
         group = self.group()
-        call = CheckpointCall.enter(group, self.root, what)
+        phase = RESOLVE if group.is_writer else OUTCOME
+        call = CheckpointCall.enter(group, self.root, what, phase=phase, warn_after=self.options.warn_after)
+        try:
+            return self._answer(call, group, what, resolve_here, visible)
+        finally:
+            call.status.enter(DONE)
+
+    def _answer(
+        self,
+        call: CheckpointCall,
+        group: Group,
+        what: str,
+        resolve_here: Callable[[], list[tuple[int, str]]],
+        visible: Callable[[str], bool] | None,
+    ) -> list[tuple[int, str]]:
         deadline = time.monotonic() + self.options.timeout
         if group.is_writer:
-            try:
-                found = [(int(s), str(n)) for s, n in resolve_here()]
-            except InvalidTargetError as exc:
-                call.decide({"ok": False, "error": str(exc), "path": exc.path})
-                raise
-            except BaseException as exc:  # every rank hears that there is no answer
-                call.decide({"ok": False, "error": f"{type(exc).__name__}: {exc}", "path": self.root})
-                raise
+            # Reading the root can hang on a mount that does not answer: the writer says so itself.
+            with _watchdog(call, self.options):
+                try:
+                    found = [(int(s), str(n)) for s, n in resolve_here()]
+                except InvalidTargetError as exc:
+                    call.decide({"ok": False, "error": str(exc), "path": exc.path})
+                    raise
+                except BaseException as exc:  # every rank hears that there is no answer
+                    call.decide({"ok": False, "error": f"{type(exc).__name__}: {exc}", "path": self.root})
+                    raise
             call.decide({"ok": True, "found": found})
         elif call.shared:
             try:
-                heard = call.hear_outcome(deadline)
+                found = self._heard(call.hear_outcome(deadline), group, what)
             except StoreGone:
                 # Rank 0, the store's host, answered and finished (the end of a run): the filesystem
                 # is all that is left to ask.
-                heard = {"ok": True, "found": resolve_here()}
+                found = [(int(s), str(n)) for s, n in resolve_here()]
             except MalformedValue as exc:
                 raise self._malformed_answer(group, what, str(exc)) from None
-            if not heard.get("ok"):
-                path = heard.get("path")
-                raise InvalidTargetError(
-                    text(heard.get("error")), path if isinstance(path, str) else self.root
-                )
-            answer = self._heard_steps(heard.get("found"))
-            if answer is None:
-                raise self._malformed_answer(group, what, f"not a list of committed steps: {text(heard)}")
-            found = answer
         else:
             found = [(int(s), str(n)) for s, n in resolve_here()]
         for _, entry in found:
             self._wait_visible(entry, deadline, group.rank, what, stage=False, visible=visible)
         return found
+
+    def _heard(self, heard: dict[str, Any], group: Group, what: str) -> list[tuple[int, str]]:
+        """The writer's answer to ``what``, or the error it answered with."""
+        if not heard.get("ok"):
+            path = heard.get("path")
+            raise InvalidTargetError(text(heard.get("error")), path if isinstance(path, str) else self.root)
+        answer = self._heard_steps(heard.get("found"))
+        if answer is None:
+            raise self._malformed_answer(group, what, f"not a list of committed steps: {text(heard)}")
+        return answer
 
     def _heard_steps(self, found: object) -> list[tuple[int, str]] | None:
         """The writer's answer (input): (step, name) pairs where each name is that step's directory
@@ -365,12 +400,30 @@ class Checkpoints:
         path = self._steps.url(name)
         if visible is None:
             visible = self._steps.stage_visible if stage else self._steps.step_visible
+        cadence = Cadence(self.options.warn_after)
+
+        def still_waiting(elapsed: float) -> None:
+            logger.warning(
+                "%s: still waiting after %s s to see %s at %s from this rank: the writer made it, and a "
+                "network filesystem's client cache shows it late (NFS: the mount's attribute and lookup "
+                "caches)",
+                who(rank),
+                seconds(elapsed),
+                what,
+                path,
+            )
+
         poll_until(
             lambda: visible(name),
             deadline,
             expired=lambda: PeerTimeout(
-                f"rank {rank}: {what} at {path} is still not visible from this rank", path
+                f"rank {rank}: {what} at {path} is still not visible from this rank after "
+                f"{cadence.elapsed():.0f} s",
+                path,
+                phase="visibility",
+                elapsed=cadence.elapsed(),
             ),
+            progress=Progress(cadence, still_waiting),
         )
 
 
@@ -399,6 +452,7 @@ class CheckpointSave:
         self._entry: active.ActiveStage | None = None
         self._results: NestedResults | None = None
         self._syncs = False  # whether the ranks share out the commit's fsyncs (FsyncShares)
+        self._watchdog: Watchdog | None = None
 
     @property
     def timeout(self) -> float:
@@ -412,32 +466,22 @@ class CheckpointSave:
         self.ckpts.wait()  # the previous async save's commit comes first
         steps = self.ckpts._steps
         group = self.group = self.ckpts.group()
-        call = self.call = CheckpointCall.enter(group, self.ckpts.root, f"save of step {self.step}")
-        deadline = time.monotonic() + self.timeout
-        if group.is_writer:
-            try:
-                self._promotion = steps.promotion(
-                    self.step, rank=group.rank, protect=self.protect, unmarked=self.unmarked
-                )
-                self._stage = self._promotion.open_stage()
-                self.stage_name = self._promotion.stage_name
-            except BaseException as exc:
-                call.announce({"ok": False, "error": f"{type(exc).__name__}: {exc}"})
-                raise
-            # Whether every rank syncs a share of the stage's files before the commit (durable, POSIX).
-            self._syncs = self._promotion.shares_fsyncs and call.shared
-            call.announce({"ok": True, "stage": self.stage_name, "sync": self._syncs})
-        else:
-            try:
-                self._join_stage(call, deadline)
-            except CollectiveMismatch:
-                raise  # every rank of the call hears it already
-            except BaseException as exc:
-                # Told at once, the writer fails the step naming this rank, rather than waiting for a
-                # report until its timeout (a malformed announcement killed rank 1 and left the writer
-                # waiting, issue 34).
-                call.report({"ok": False, "error": f"{type(exc).__name__}: {exc}"})
-                raise
+        call = self.call = CheckpointCall.enter(
+            group,
+            self.ckpts.root,
+            f"save of step {self.step}",
+            phase=STAGE,
+            step=self.step,
+            warn_after=self.ckpts.options.warn_after,
+        )
+        # Every rank watches itself from here to its outcome: any rank may be the one stuck (in its
+        # body, in a filesystem call), and it is the one that can tell where (its stack).
+        self._watchdog = _watchdog(call, self.ckpts.options).start()
+        try:
+            self._open(call, group)
+        except BaseException:
+            self._stop_watching()
+            raise
         stage = steps.url(self.stage_name)
         if not (group.is_writer and steps.in_place_replicated):
             self._scratch = tempfile.mkdtemp(prefix="safeio-ckpt-")
@@ -451,7 +495,42 @@ class CheckpointSave:
             self.final, stage, replicated=self._scratch or stage, results=self._results
         )
         active.push(self._entry)
+        call.status.enter(BODY)
         return CheckpointStage(self, stage, group.is_writer)
+
+    def _open(self, call: CheckpointCall, group: Group) -> None:
+        """The writer opens the stage and announces it; every other rank hears it and sees it."""
+        deadline = time.monotonic() + self.timeout
+        if group.is_writer:
+            try:
+                self._promotion = self.ckpts._steps.promotion(
+                    self.step,
+                    rank=group.rank,
+                    protect=self.protect,
+                    unmarked=self.unmarked,
+                    on_phase=lambda phase: self.call.status.enter(COMMIT_PHASES.get(phase, phase)),
+                )
+                self._stage = self._promotion.open_stage()
+                self.stage_name = self._promotion.stage_name
+            except BaseException as exc:
+                call.announce({"ok": False, "error": f"{type(exc).__name__}: {exc}"})
+                raise
+            # Whether every rank syncs a share of the stage's files before the commit (durable, POSIX).
+            self._syncs = self._promotion.shares_fsyncs and call.shared
+            call.announce({"ok": True, "stage": self.stage_name, "sync": self._syncs})
+            return
+        try:
+            self._join_stage(call, deadline)
+        except CollectiveMismatch:
+            raise  # every rank of the call hears it already
+        except PeerTimeout as waited:
+            raise self._gave_up(waited) from None
+        except BaseException as exc:
+            # Told at once, the writer fails the step naming this rank, rather than waiting for a
+            # report until its timeout (a malformed announcement killed rank 1 and left the writer
+            # waiting, issue 34).
+            call.report({"ok": False, "error": f"{type(exc).__name__}: {exc}"})
+            raise
 
     def _join_stage(self, call: CheckpointCall, deadline: float) -> None:
         """A rank other than the writer: the stage the writer announced, checked, once visible here."""
@@ -499,18 +578,50 @@ class CheckpointSave:
         assert self._entry is not None, "__exit__ without __enter__"
         active.pop(self._entry)
         if exc is None and self._future is not None:
-            what = f"step {self.step} of {self.ckpts.root}"
-            self.ckpts._commit_later(PendingCommit(self._future, self._finish_elsewhere, self.timeout, what))
+            # Training goes on; the commit's thread watches itself from now on (its stack is the one told).
+            self.call.status.enter(ASYNC_SAVE)
+            if self._watchdog is not None:
+                self._watchdog.stop()
+            future = self._future
+            self.ckpts._commit_later(
+                PendingCommit(
+                    lambda: self._commit_elsewhere(future),
+                    self.timeout,
+                    f"step {self.step} of {self.ckpts.root}",
+                    status=self.call.status,
+                    warn_after=self.ckpts.options.warn_after,
+                )
+            )
             return
-        self._finish(exc)
+        try:
+            self._finish(exc)
+        finally:
+            self._stop_watching()
 
-    def _finish_elsewhere(self, exc: BaseException | None) -> None:
-        """``_finish`` on the async commit's thread, through a connection to the store of its own. Made
-        there, not on the training thread: a TCPStore client's clone is a new connection, 2-24 ms here,
-        on every rank, which training would otherwise wait for at every async save."""
-        self.group = self.group.for_another_thread()
-        self.call = self.call.on_group(self.group)
-        self._finish(exc)
+    def _stop_watching(self) -> None:
+        if self._watchdog is not None:
+            self._watchdog.stop()
+        self.call.status.enter(DONE)
+
+    def _commit_elsewhere(self, future: Any) -> None:
+        """The async commit's thread: wait for this rank's part (the future), then ``_finish``, through a
+        connection to the store of its own. Made there, not on the training thread: a TCPStore client's
+        clone is a new connection, 2-24 ms here, on every rank, which training would otherwise wait for
+        at every async save. Watched from the start: its stack is the one a stall shows."""
+        self._watchdog = _watchdog(self.call, self.ckpts.options).start()
+        try:
+            own: BaseException | None = None
+            try:
+                wait_for_future(future, self.timeout, f"step {self.step} of {self.ckpts.root}")
+            except BaseException as exc:  # this rank's part failed: reported, so every rank hears of it
+                own = exc
+            self.group = self.group.for_another_thread()
+            self.call = self.call.on_group(self.group)
+            self._finish(own)
+            if own is not None:
+                raise own
+        finally:
+            self._stop_watching()
 
     def _finish(self, exc: BaseException | None) -> None:
         """Report this rank's part; the writer commits (or abandons); every rank hears the outcome."""
@@ -533,9 +644,12 @@ class CheckpointSave:
         # The writer may itself wait up to the timeout for the slowest rank's report before it decides.
         deadline = time.monotonic() + 2 * self.timeout
         rank, what = self.group.rank, f"step {self.step}"
+        status = self.call.status
         try:
             if self._syncs:
+                status.enter(FSYNC)
                 self._sync_share(deadline)
+            status.enter(OUTCOME)
             outcome = self.call.hear_outcome(deadline)
         except StoreGone as gone:
             # The writer decided and its process (the store's host) finished: a committed step on disk
@@ -547,6 +661,8 @@ class CheckpointSave:
             return
         except MalformedValue as malformed:
             raise self._malformed(f"its outcome ({malformed})") from None
+        except PeerTimeout as waited:
+            raise self._gave_up(waited) from None
         problem = _outcome_problem(outcome)
         if problem is not None:
             raise self._malformed(f"its outcome ({problem})")
@@ -554,6 +670,35 @@ class CheckpointSave:
             raise _failure(outcome, rank, self.step, self.final)
         self._note_warnings(outcome.get("warnings"))
         self.ckpts._wait_visible(self.final_name, deadline, rank, what, stage=False)
+
+    def _gave_up(self, waited: PeerTimeout) -> PeerTimeout:
+        """This rank waited its whole timeout in this save: what it may assume, agreed with the writer
+        through the call's verdict (``CheckpointCall.give_up``), said in its error and ``.outcome``."""
+        writer, step = self.group.writer, self.step
+        phase = f", in {waited.phase}" if waited.phase else ""
+        elapsed = f" {waited.elapsed:.0f} s" if waited.elapsed is not None else ""
+        outcome = self.call.give_up(
+            f"rank {self.group.rank} waited{elapsed} for rank {waited.waited_for}{phase}"
+        )
+        if outcome == "not committed":
+            said = (
+                f"This rank gave up: step {step} is not committed (rank {writer} sees that this rank gave up "
+                f"before its commit point and abandons the stage; latest is unchanged)."
+            )
+        else:
+            said = (
+                f"This rank gave up after rank {writer} had begun the commit of step {step} (its rename): "
+                f"whether the step is committed is rank {writer}'s outcome; latest() tells."
+            )
+        return PeerTimeout(
+            f"{waited} {said}",
+            waited.path,
+            waited_for=waited.waited_for,
+            phase=waited.phase,
+            step=step,
+            elapsed=waited.elapsed,
+            outcome=outcome,
+        )
 
     def _malformed(self, what: str) -> CheckpointError:
         """A value the writer sets is malformed: this rank cannot know the outcome from it."""
@@ -572,8 +717,17 @@ class CheckpointSave:
         try:
             share = hear_fsync_share(self.call, deadline)
         except MalformedValue as exc:
-            # The writer fails the commit naming this rank at once, rather than waiting for its answer.
+            # The writer fails the commit naming this rank at once, rather than waiting for its answer;
+            # the call's verdict tells this rank whether the writer may still commit.
             report_sync_failed(self.call, f"the fsync shares it heard are malformed ({exc})")
+            if self.call.give_up(f"rank {self.group.rank} heard malformed fsync shares") == "not committed":
+                raise CheckpointError(
+                    f"rank {self.group.rank}: the fsync shares heard from rank {self.group.writer} in the "
+                    f"store for step {self.step} are malformed ({exc}); step {self.step} is not committed "
+                    f"(this rank told rank {self.group.writer}, which abandons it)",
+                    self.final,
+                    failed={self.group.writer: "malformed fsync shares"},
+                ) from None
             raise self._malformed(f"its fsync shares ({exc})") from None
         if share is None:
             return  # the writer decided first: nothing will be committed
@@ -606,11 +760,15 @@ class CheckpointSave:
             self._not_committed({rank: f"{type(exc).__name__}: {exc}"}, [])
             return  # the writer's own error propagates
         try:
+            self.call.status.enter(REPORT)
             failed, missing = self.call.collect(time.monotonic() + self.timeout)
             if not (failed or missing):
+                self.call.check_gave_up()  # before the commit's work: a rank that gave up is told "not"
                 # The stage the writer's replicated files are in: the shared one, or scratch (uploaded).
                 shares = FsyncShares(self.call, self.timeout) if self._syncs else None
-                promoted = promotion.finish_step(self._scratch or self._stage, shares)
+                promoted = promotion.finish_step(
+                    self._scratch or self._stage, shares, commit_point=self.call.commit_point
+                )
         except CollectiveMismatch:
             _abandon(promotion)  # every rank of the call has heard it from the rank that found it
             raise
@@ -632,9 +790,20 @@ class CheckpointSave:
         """The writer: the stage goes and every rank hears that nothing was committed, and why."""
         assert self._promotion is not None
         _abandon(self._promotion)
-        outcome = {"ok": False, "failed": {str(r): e for r, e in failed.items()}, "missing": missing}
+        outcome: dict[str, Any] = {
+            "ok": False,
+            "failed": {str(r): e for r, e in failed.items()},
+            "missing": missing,
+            # Where each missing rank was last reported: "never reported" alone says nothing of why.
+            "where": {str(r): self.call.whereabouts(r) for r in missing[:16]},
+        }
         self.call.decide(outcome)
         return outcome
+
+
+def _watchdog(call: CheckpointCall, options: SaveOptions) -> Watchdog:
+    """The watchdog of this rank in ``call``, for the thread that starts it."""
+    return Watchdog(call.status, options.warn_after, rank=call.group.rank, role="this rank", advice=advice)
 
 
 def _check_keep(keep: object, root: str | os.PathLike[str]) -> None:
@@ -680,8 +849,14 @@ def _failure(outcome: dict[str, Any], rank: int, step: int, final: str) -> Check
         if isinstance(r, str) and r.isdigit() and len(r) < 8
     }
     missing = [r for r in (heard_missing if isinstance(heard_missing, list) else ()) if _is_rank(r)]
+    heard_where = outcome.get("where")
+    where = heard_where if isinstance(heard_where, dict) else {}
     parts = [f"rank {r}: {e}" for r, e in sorted(failed.items())[:16]]
-    parts.extend(f"rank {r} never reported (died, or still in its body)" for r in missing[:16])
+    for r in missing[:16]:
+        last = where.get(str(r))
+        parts.append(
+            f"rank {r} never reported ({text(last) if isinstance(last, str) else 'died or still busy'})"
+        )
     return CheckpointError(
         f"rank {rank}: step {step} was not committed ({'; '.join(parts) or 'failed'}); nothing was "
         f"committed at {final} and latest is unchanged",

@@ -24,6 +24,7 @@ from typing import Any
 
 from safeio._coordination.calls import (
     MalformedValue,
+    Progress,
     StoreCall,
     StoreGone,
     digest,
@@ -33,6 +34,7 @@ from safeio._coordination.calls import (
 )
 from safeio._coordination.group import Group, job_id
 from safeio._errors import PeerTimeout, RemoteWriterError
+from safeio._stalls import Cadence, seconds
 from safeio._who import who
 
 logger = logging.getLogger("safeio")
@@ -175,6 +177,8 @@ def _outcome_problem(record: Any) -> str | None:
 class Channel:
     """One replicated save's call in the group's store: its outcome, the writer's phase, the acks."""
 
+    waiting = False  # the watchdog's PhaseSource: the writer never waits for its peers
+
     def __init__(self, group: Group, target_url: str, identity: str, seq: int) -> None:
         self.group = group
         self.target_url = target_url
@@ -278,9 +282,15 @@ class Channel:
     # -- non-writer side ---------------------------------------------------------------------------
 
     def wait(
-        self, timeout: float, landed: Callable[[], bool] | None, result: Callable[[], Any] | None = None
+        self,
+        timeout: float,
+        landed: Callable[[], bool] | None,
+        result: Callable[[], Any] | None = None,
+        *,
+        warn_after: float = math.inf,
     ) -> Outcome:
-        """Wait for the writer's outcome for at most ``timeout`` seconds.
+        """Wait for the writer's outcome for at most ``timeout`` seconds; after ``warn_after`` seconds
+        (then each time the wait has doubled) a WARNING says what the writer was last doing.
 
         ``landed`` checks the filesystem for this save's promoted result; it is used when there is no
         store or it becomes unreachable, and then ``result`` reads the writer's recorded return value.
@@ -296,13 +306,13 @@ class Channel:
                 return True
 
             landed = landed_with_result
-        start = time.monotonic()
-        deadline = start + timeout
+        cadence = Cadence(warn_after)
+        deadline = cadence.start + timeout
         if self.hears_through_store:
-            outcome = self._wait_store(deadline, start)
+            outcome = self._wait_store(deadline, cadence)
             if outcome is not None:
                 return outcome
-        return self._wait_filesystem(landed, deadline, start)
+        return self._wait_filesystem(landed, deadline, cadence)
 
     def wait_visible(self, landed: Callable[[], bool], deadline: float) -> None:
         """After a successful outcome: wait (bounded) until the promoted result is visible to this rank."""
@@ -320,16 +330,23 @@ class Channel:
 
         poll_until(landed, deadline, expired=expired)
 
-    def _wait_store(self, deadline: float, start: float) -> Outcome | None:
-        def still_waiting() -> None:
-            logger.info("%s: still waiting: %s", who(self.group.rank), self._writer_status())
+    def _wait_store(self, deadline: float, cadence: Cadence) -> Outcome | None:
+        def still_waiting(elapsed: float) -> None:
+            logger.warning(
+                "%s: still waiting after %s s for rank %d to save %s: %s",
+                who(self.group.rank),
+                seconds(elapsed),
+                self.group.writer,
+                self.target_url,
+                self._writer_status(),
+            )
 
         try:
             raw = self.call.wait(
                 "",
                 deadline,
-                expired=lambda: self._timeout(time.monotonic() - start),
-                still_waiting=still_waiting,
+                expired=lambda: self._timeout(cadence.elapsed()),
+                progress=Progress(cadence, still_waiting),
             )
         except StoreGone as gone:
             # Expected at the end of a run: rank 0 hosts the TCPStore and may already have left.
@@ -351,17 +368,24 @@ class Channel:
         if self.call.acknowledge(("", "phase"), self.group.world_size - 1):
             self.last.delete(("",))
 
-    def _wait_filesystem(self, landed: Callable[[], bool] | None, deadline: float, start: float) -> Outcome:
-        def still_waiting() -> None:
-            logger.info(
-                "%s: still waiting for %s to appear on the filesystem", who(self.group.rank), self.target_url
+    def _wait_filesystem(
+        self, landed: Callable[[], bool] | None, deadline: float, cadence: Cadence
+    ) -> Outcome:
+        def still_waiting(elapsed: float) -> None:
+            logger.warning(
+                "%s: still waiting after %s s for rank %d's save of %s to appear on the filesystem "
+                "(this group has no store to hear it through)",
+                who(self.group.rank),
+                seconds(elapsed),
+                self.group.writer,
+                self.target_url,
             )
 
         poll_until(
             landed if landed is not None else lambda: False,
             deadline,
-            expired=lambda: self._timeout(time.monotonic() - start),
-            still_waiting=still_waiting,
+            expired=lambda: self._timeout(cadence.elapsed()),
+            progress=Progress(cadence, still_waiting),
         )
         return Outcome(True, self.target_url, self.group.writer, value=self._landed_value)
 

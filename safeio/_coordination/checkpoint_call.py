@@ -22,23 +22,29 @@ wait for it instead of serialising the object into scratch that is thrown away (
 from __future__ import annotations
 
 import json
+import logging
+import math
 import time
 from dataclasses import asdict
 from typing import Any
 
 from safeio._coordination.calls import (
-    SLICE,
     VALUE_CAP,
     MalformedValue,
+    Progress,
     StoreCall,
-    StoreGone,
     digest,
     next_number,
     parse_value,
 )
 from safeio._coordination.channel import Outcome, decode_value, encode_value
+from safeio._coordination.checkpoint_status import RankStatus, Status, advice, read_status
 from safeio._coordination.group import Group
 from safeio._errors import CheckpointError, CollectiveMismatch, PeerTimeout
+from safeio._stalls import Cadence, seconds
+from safeio._who import who
+
+logger = logging.getLogger("safeio")
 
 # How long the writer waits for the other ranks' fsyncs beyond four times its own share's (FsyncShares).
 _SYNC_GRACE = 30.0
@@ -51,6 +57,15 @@ class DecidedFirst(Exception):
     def __init__(self, outcome: dict[str, Any]) -> None:
         super().__init__(outcome)
         self.outcome = outcome
+
+
+class LeftTheCall(Exception):
+    """The rank waited for is in a later call of the root, and never set the key this rank waits for."""
+
+    def __init__(self, rank: int, where: str) -> None:
+        super().__init__(rank, where)
+        self.rank = rank
+        self.where = where
 
 
 def text(value: object) -> str:
@@ -71,6 +86,9 @@ class CheckpointCall:
         *,
         number: int,
         call: StoreCall,
+        status: RankStatus,
+        step: int | None = None,
+        warn_after: float = math.inf,
         published: list[str] | None = None,
         announced_fsyncs: bool = False,
     ) -> None:
@@ -78,6 +96,9 @@ class CheckpointCall:
         self.root = root
         self.what = what
         self.number = number  # this call's place among the root's collective calls (0: not collective)
+        self.step = step  # the step a save is of (None: latest(), steps())
+        self.warn_after = warn_after  # when a wait starts saying so (safeio._stalls)
+        self.status = status  # this rank's published place in the call
         # Keys the writer set for the body's saves (NestedResults): deleted with the call's own keys.
         self.published: list[str] = published if published is not None else []
         # Whether the writer told the ranks to wait for their fsyncs (FsyncShares), and has handed them out.
@@ -86,15 +107,33 @@ class CheckpointCall:
         self._call = call
 
     @classmethod
-    def enter(cls, group: Group, root: str, what: str) -> CheckpointCall:
-        """This rank's next collective call on ``root``, checked against what the rank that entered it
-        first makes there (``CollectiveMismatch`` on a difference)."""
+    def enter(
+        cls,
+        group: Group,
+        root: str,
+        what: str,
+        *,
+        phase: str,
+        step: int | None = None,
+        warn_after: float = math.inf,
+    ) -> CheckpointCall:
+        """This rank's next collective call on ``root``, in ``phase``, checked against what the rank
+        that entered it first makes there (``CollectiveMismatch`` on a difference)."""
         # Only a group of several ranks makes collective calls: a process-alone reading took a number
         # too, and ranks that made different numbers of them (a script's `get_last_checkpoint(out) if
         # os.path.isdir(out) else None`) waited under different numbers at the next save, each for its
         # timeout (issue 32: a Ray Train job stuck at its first checkpoint).
         number = next_number(("checkpoints", root)) if group.world_size > 1 else 0
-        call = cls(group, root, what, number=number, call=StoreCall(group, _prefix(root, number), root))
+        call = cls(
+            group,
+            root,
+            what,
+            number=number,
+            call=StoreCall(group, _prefix(root, number), root),
+            status=RankStatus(group, root, number, what, phase),
+            step=step,
+            warn_after=warn_after,
+        )
         call._check_entry()
         return call
 
@@ -106,6 +145,9 @@ class CheckpointCall:
             self.what,
             number=self.number,
             call=self._call.on_group(group),
+            status=self.status.reconnect(group),
+            step=self.step,
+            warn_after=self.warn_after,
             published=self.published,
             announced_fsyncs=self.announced_fsyncs,
         )
@@ -124,6 +166,8 @@ class CheckpointCall:
             return
         rank = self.group.rank
         raw = self._call.claim("call", json.dumps({"rank": rank, "what": self.what}))
+        if raw is None:
+            return  # the store cannot tell (gone: rank 0 finished); the call's waits fall back as before
         try:
             first = parse_value(raw, self._call.key("call"))
         except MalformedValue as exc:
@@ -192,37 +236,151 @@ class CheckpointCall:
         return value
 
     def _wait(
-        self, name: str, deadline: float, waiting_for: str, *, slice_seconds: float | None = None
+        self, name: str, deadline: float, waiting_for: str, *, from_rank: int, decided_first: bool = False
     ) -> Any:
-        def expired() -> PeerTimeout:
-            return PeerTimeout(
-                f"rank {self.group.rank}: {waiting_for} did not arrive within the timeout "
-                f"({self.what} of {self.root})",
+        """The value of ``name``, which rank ``from_rank`` sets (``waiting_for`` says what it is, for
+        messages). While it waits, this rank says so on the stall cadence, with what ``from_rank`` last
+        reported; at ``deadline``, a PeerTimeout naming that rank, the phase it was in, the step and the
+        time waited. ``LeftTheCall`` when ``from_rank`` has moved on to a later call without setting it;
+        with ``decided_first``, ``DecidedFirst`` when the writer decided the outcome meanwhile (it then
+        never sets ``name``: it failed before, or needs no answer)."""
+        cadence = Cadence(self.warn_after)
+        rank = self.group.rank
+        told: list[float] = []
+
+        def tell(elapsed: float) -> None:
+            if not told:
+                self.status.publish()  # others see that this rank waits, and for whom
+            told.append(elapsed)
+            status = read_status(self.group, self.root, from_rank)
+            phase = status.phase if status is not None and status.call == self.number else ""
+            logger.warning(
+                "%s: still waiting after %s s for %s (%s of %s): %s. %s",
+                who(rank),
+                seconds(elapsed),
+                waiting_for,
+                self.what,
                 self.root,
-                waited_for=self.group.writer,
+                self._describe(status, from_rank),
+                advice(phase),
+                extra={"safeio_waited_for": from_rank, "safeio_phase": phase, "safeio_elapsed": elapsed},
             )
 
-        if slice_seconds is None:
-            raw = self._call.wait(name, deadline, expired=expired)  # StoreGone: the store's host has left
-        else:
-            raw = self._wait_checking_outcome(name, deadline, expired, slice_seconds)
-        return self._parse(raw, name)
-
-    def _wait_checking_outcome(self, name: str, deadline: float, expired: Any, slice_seconds: float) -> bytes:
-        """Wait for ``name`` in slices; between them, raise ``DecidedFirst`` if the writer has decided the
-        call's outcome meanwhile (it then never sets ``name``: it failed before, or needs no answer)."""
-        while True:
-            until = min(deadline, time.monotonic() + slice_seconds)
-            try:
-                return self._call.wait(name, until, expired=expired)
-            except StoreGone:
-                raise
-            except PeerTimeout:
+        def check() -> None:
+            if decided_first:
                 decided = self.outcome_if_decided()
                 if decided is not None:
-                    raise DecidedFirst(decided) from None
-                if until >= deadline:
-                    raise
+                    raise DecidedFirst(decided)
+            status = read_status(self.group, self.root, from_rank)
+            if status is not None and status.call > self.number and self._call.get_now(name) is None:
+                raise LeftTheCall(from_rank, status.describe(self.number))
+
+        def expired() -> PeerTimeout:
+            status = read_status(self.group, self.root, from_rank)
+            elapsed = cadence.elapsed()
+            phase = status.phase if status is not None and status.call == self.number else None
+            return PeerTimeout(
+                f"rank {rank}: waited {elapsed:.0f} s, its timeout, for {waiting_for} ({self.what} of "
+                f"{self.root}): {self._describe(status, from_rank)}. {advice(phase or '')}".rstrip(),
+                self.root,
+                waited_for=from_rank,
+                phase=phase,
+                step=self.step,
+                elapsed=elapsed,
+            )
+
+        with self.status.waiting_on(from_rank):
+            # StoreGone: the store's host (rank 0) has left
+            raw = self._call.wait(name, deadline, expired=expired, progress=Progress(cadence, tell, check))
+        return self._parse(raw, name)
+
+    def whereabouts(self, rank: int) -> str:
+        """What rank ``rank`` last reported on this root, for a message (one get)."""
+        return self._describe(read_status(self.group, self.root, rank), rank)
+
+    def _describe(self, status: Status | None, rank: int) -> str:
+        if status is None:
+            return (
+                f"rank {rank} has reported nothing on this root yet (it has not reached a collective call "
+                "of it: still in other code, or it died before)"
+            )
+        return status.describe(self.number)
+
+    # -- agreement when a rank gives up ---------------------------------------------------------------
+
+    def give_up(self, reason: str) -> str:
+        """A rank other than the writer gives up waiting in a save (its bound): the writer must not commit
+        a step a rank has given up on, or the ranks would be told different things. The call's verdict
+        is claimed for "abandon" (one compare_set), unless the writer has claimed it first for its commit:
+        returns "not committed" (the writer sees the verdict at its commit point and abandons the stage)
+        or "unknown" (the writer was already committing: latest() tells). Every key the writer may be
+        waiting for from this rank is answered too, so that it learns of it at once."""
+        if not self.shared:
+            return "unknown"
+        rank = self.group.rank
+        raw = self._call.claim("verdict", json.dumps({"abandon": rank, "reason": reason}))
+        if raw is None:
+            return "unknown"  # the store is gone: only the filesystem will tell (latest())
+        try:
+            verdict = parse_value(raw, self._call.key("verdict"))
+        except MalformedValue:
+            verdict = None
+        committing = isinstance(verdict, dict) and "commit" in verdict
+        error = f"gave up waiting: {reason}"
+        self._set(f"rank/{rank}", {"ok": False, "error": error})
+        self._set(f"synced/{rank}", {"error": error})
+        return "unknown" if committing else "not committed"
+
+    def check_gave_up(self) -> None:
+        """The writer, before the commit's work: CheckpointError if a rank has given up already (one get)."""
+        raw = self._call.get_now("verdict") if self.shared else None
+        if raw is not None:
+            self._refuse_commit(raw)
+
+    def commit_point(self) -> None:
+        """The writer, right before the commit point (the rename, the marker): claims the verdict for the
+        commit. CheckpointError naming the rank that gave up first, if one did: nothing is committed."""
+        if not self.shared:
+            return
+        raw = self._call.claim("verdict", json.dumps({"commit": self.group.rank}))
+        if raw is not None:  # None: a store that cannot tell; no rank can have claimed it either
+            self._refuse_commit(raw)
+
+    def _refuse_commit(self, raw: bytes) -> None:
+        try:
+            verdict = parse_value(raw, self._call.key("verdict"))
+        except MalformedValue as exc:
+            verdict = {"abandon": None, "reason": f"a malformed verdict in the store ({exc})"}
+        if isinstance(verdict, dict) and verdict.get("commit") == self.group.rank:
+            return
+        gave_up = verdict.get("abandon") if isinstance(verdict, dict) else None
+        reason = text(verdict.get("reason")) if isinstance(verdict, dict) else "a verdict that is not one"
+        rank = gave_up if isinstance(gave_up, int) and not isinstance(gave_up, bool) else None
+        raise CheckpointError(
+            f"rank {self.group.rank}: {f'rank {rank}' if rank is not None else 'a rank'} gave up waiting "
+            f"({reason}) before the commit point of {self.what} of {self.root}: the step is not committed, "
+            "as that rank was told",
+            self.root,
+            failed={rank if rank is not None else -1: f"gave up waiting: {reason}"},
+        )
+
+    def _wait_for_writer(
+        self, name: str, deadline: float, waiting_for: str, *, decided_first: bool = False
+    ) -> Any:
+        """``_wait`` for a value the writer sets; its leaving the call without setting it means the ranks'
+        calls differ (``CollectiveMismatch``)."""
+        writer = self.group.writer
+        try:
+            return self._wait(name, deadline, waiting_for, from_rank=writer, decided_first=decided_first)
+        except LeftTheCall as left:
+            raise CollectiveMismatch(
+                f"rank {self.group.rank}: rank {writer} left call {self.number} on {self.root} ({self.what}) "
+                f"without setting {waiting_for}: {left.where}. save(), latest(), at() and steps() are "
+                "collective: every rank of the group makes them, in the same order",
+                self.root,
+                call=self.number,
+                calls={self.group.rank: self.what},
+            ) from None
 
     # -- the writer publishes, the others wait -------------------------------------------------------
 
@@ -234,7 +392,7 @@ class CheckpointCall:
 
     def hear_announcement(self, deadline: float) -> Any:
         """Every other rank: what the writer announced (MalformedValue when it is not what it sets)."""
-        return self._wait("announce", deadline, f"rank {self.group.writer}'s stage")
+        return self._wait_for_writer("announce", deadline, f"rank {self.group.writer}'s stage")
 
     def report(self, value: dict[str, Any]) -> None:
         """Every rank but the writer: how its part went ({"ok": bool, "error": str})."""
@@ -252,12 +410,15 @@ class CheckpointCall:
             if rank == self.group.rank:
                 continue
             try:
-                report = self._wait(f"rank/{rank}", deadline, f"rank {rank}'s report")
+                report = self._wait(f"rank/{rank}", deadline, f"rank {rank}'s report", from_rank=rank)
             except PeerTimeout:
                 missing.append(rank)
                 continue
             except MalformedValue as exc:
                 failed[rank] = f"its report in the store is malformed ({exc})"
+                continue
+            except LeftTheCall as left:
+                failed[rank] = f"left this call without reporting ({left.where})"
                 continue
             if not (isinstance(report, dict) and report.get("ok") is True):
                 error = report.get("error") if isinstance(report, dict) else None
@@ -287,26 +448,33 @@ class CheckpointCall:
         return value if isinstance(value, dict) else None
 
     def hear_outcome(self, deadline: float) -> dict[str, Any]:
-        """Every other rank: the writer's decision (MalformedValue when it is not one; acknowledged
-        either way, so the call's keys still go)."""
-        raw_value: Any = None
+        """Every other rank: the writer's decision (MalformedValue when it is not one). Acknowledged once
+        heard, malformed or not, so that the call's keys go; never when this rank gave up waiting: the
+        call's verdict must outlive it (``give_up``)."""
+        value: Any = None
         try:
-            raw_value = self._wait("outcome", deadline, f"rank {self.group.writer}'s commit")
-        finally:
-            ranks = range(self.group.world_size)
-            names = [
-                "call",
-                "announce",
-                "outcome",
-                "fsync",
-                *(f"rank/{r}" for r in ranks),
-                *(f"synced/{r}" for r in ranks),
-                *_result_keys(raw_value),
-            ]
-            self._call.acknowledge(names, self.group.world_size - 1)
-        if not isinstance(raw_value, dict) or not isinstance(raw_value.get("ok"), bool):
-            raise MalformedValue(f"the outcome is not one: {text(raw_value)}")
-        return raw_value
+            value = self._wait_for_writer("outcome", deadline, f"rank {self.group.writer}'s decision")
+        except MalformedValue:
+            self._acknowledge(None)
+            raise
+        self._acknowledge(value)
+        if not isinstance(value, dict) or not isinstance(value.get("ok"), bool):
+            raise MalformedValue(f"the outcome is not one: {text(value)}")
+        return value
+
+    def _acknowledge(self, outcome: Any) -> None:
+        ranks = range(self.group.world_size)
+        names = [
+            "call",
+            "verdict",
+            "announce",
+            "outcome",
+            "fsync",
+            *(f"rank/{r}" for r in ranks),
+            *(f"synced/{r}" for r in ranks),
+            *_result_keys(outcome),
+        ]
+        self._call.acknowledge(names, self.group.world_size - 1)
 
 
 def _prefix(root: str, number: int) -> str:
@@ -378,7 +546,7 @@ class NestedResults:
         try:
             # The writer may have failed before it reached this save: the outcome is looked at between
             # slices (long ones: each expired store wait logs a c10d warning), so the rank hears of it.
-            raw = call._wait(name, deadline, waiting_for, slice_seconds=SLICE)
+            raw = call._wait_for_writer(name, deadline, waiting_for, decided_first=True)
         except DecidedFirst:
             raise CheckpointError(
                 f"rank {call.group.rank}: rank {writer} failed {call.what} of "
@@ -445,8 +613,8 @@ class FsyncShares:
             if rank == self._call.group.writer or not share:
                 continue
             try:
-                answer = self._call._wait(f"synced/{rank}", deadline, f"rank {rank}'s fsyncs")
-            except PeerTimeout:
+                answer = self._call._wait(f"synced/{rank}", deadline, f"rank {rank}'s fsyncs", from_rank=rank)
+            except (PeerTimeout, LeftTheCall):
                 left.extend(share)  # never answered: its share is the writer's
                 continue
             except MalformedValue as exc:
@@ -480,7 +648,7 @@ def hear_fsync_share(call: CheckpointCall, deadline: float) -> list[str] | None:
     """A rank other than the writer, after reporting its body: its share of the stage's files to sync;
     None when the writer decided the outcome without handing any out (a failure: nothing is committed).
     MalformedValue when what it heard is not a share."""
-    shares = call._wait("fsync", deadline, f"rank {call.group.writer}'s fsync shares")
+    shares = call._wait_for_writer("fsync", deadline, f"rank {call.group.writer}'s fsync shares")
     if not isinstance(shares, dict):
         raise MalformedValue(f"the fsync shares are not a mapping: {text(shares)}")
     if shares.get("none") is True:

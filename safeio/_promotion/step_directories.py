@@ -25,7 +25,7 @@ from typing import Any
 from safeio._boundary import os_failure
 from safeio._errors import InvalidTargetError, PromotionError, SafeIOError, TargetExistsError
 from safeio._promotion.atomic_file import AtomicFile
-from safeio._promotion.base import Promoted
+from safeio._promotion.base import PhaseHook, Promoted
 from safeio._promotion.leftovers import recover_directory
 from safeio._promotion.local import LocalPromotion
 from safeio._promotion.steps import (
@@ -70,9 +70,15 @@ class StepRename(LocalPromotion, StepPromotion):
         self._fsyncs: SharedFsyncs | None = None
         self.shares_fsyncs = self.options.durable
 
-    def finish_step(self, stage: str, fsyncs: SharedFsyncs | None = None) -> Promoted:
+    def finish_step(
+        self,
+        stage: str,
+        fsyncs: SharedFsyncs | None = None,
+        *,
+        commit_point: Callable[[], None] | None = None,
+    ) -> Promoted:
         self._fsyncs = fsyncs
-        return self.finish(stage)
+        return super().finish_step(stage, fsyncs, commit_point=commit_point)
 
     def _files_synced_in_walk(self) -> bool:
         return self._fsyncs is None or not self.options.manifest  # else shared out: _sync_files
@@ -115,7 +121,10 @@ class StepRename(LocalPromotion, StepPromotion):
             self.warnings.append(f"the root {self.parent} could not be synced after the commit ({exc})")
         committed = CommittedStep(int(self.step or 0), self.name, self.sequence)
         self._steps.remember(committed)
-        self.warnings.extend(self._steps.after_commit(self.parent_fd, committed, self._protect))
+        self.warnings.extend(self._steps.after_commit(self.parent_fd, committed, self._protect, self.phase))
+
+    def before_rename(self) -> None:
+        self.passing_commit_point()  # the manifest is written and sealed; the rename is the commit
 
     def _put_in_place(self, stage: str, entries: dict[str, dict[str, Any]]) -> None:
         super()._put_in_place(stage, entries)
@@ -185,6 +194,7 @@ class LocalSteps(StepStorage):
         rank: int,
         protect: Iterable[str] = (),
         unmarked: Callable[[str], bool] | None = None,
+        on_phase: PhaseHook | None = None,
     ) -> StepPromotion:
         final_name = self.names.format(step)
         final = self.url(final_name)
@@ -218,6 +228,7 @@ class LocalSteps(StepStorage):
             step=step,
             steps=self,
             protect=frozenset(protect),
+            on_phase=on_phase,
         )
 
     def _moved_aside(
@@ -262,10 +273,13 @@ class LocalSteps(StepStorage):
         self._write(SEQUENCE, str(last + 1))
         return last + 1
 
-    def after_commit(self, root_fd: int, committed: CommittedStep, protect: frozenset[str]) -> list[str]:
+    def after_commit(
+        self, root_fd: int, committed: CommittedStep, protect: frozenset[str], phase: PhaseHook
+    ) -> list[str]:
         """Everything after the commit point, best effort: each failure is a warning saying how it is
         repaired, never an error (the step is committed and every rank is told so)."""
         warnings = []
+        phase("pointer")
         try:
             self._write(LATEST, committed.name)
             if self.megatron_tracker:
@@ -275,6 +289,7 @@ class LocalSteps(StepStorage):
                 f"step {committed.step} is committed, but the pointer in {self.root} was not updated "
                 f"({exc}); latest() still finds the step, and the next save writes the pointer"
             )
+        phase("retention")
         try:
             self._retire(root_fd, self.retired(committed, protect))
         except (OSError, SafeIOError) as exc:

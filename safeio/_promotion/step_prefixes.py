@@ -28,6 +28,7 @@ from typing import Any
 
 from safeio._boundary import mapped
 from safeio._errors import InvalidTargetError, TargetExistsError
+from safeio._promotion.base import PhaseHook
 from safeio._promotion.steps import (
     LATEST,
     MEGATRON_TRACKER,
@@ -111,9 +112,10 @@ class StepMarker(StepPromotion):
     def _promote(self, stage: str, entries: dict[str, dict[str, Any]]) -> None:
         self.sequence = self.steps.next_sequence()
         record = self.manifest_record(entries, None)
+        self.passing_commit_point()
         self.fs.pipe_file(f"{self.prefix}/{manifest.MANIFEST_NAME}", manifest.dumps(record))  # the commit
         committed = CommittedStep(int(self.step or 0), self.stage_name, self.sequence)
-        self.warnings.extend(self.steps.after_commit(committed, self._protect))
+        self.warnings.extend(self.steps.after_commit(committed, self._protect, self.phase))
 
     def discard(self, stage: str) -> None:
         # Without its marker it is never a checkpoint; if this fails, the next save of the step removes it.
@@ -203,6 +205,7 @@ class ObjectSteps(StepStorage):
         rank: int,
         protect: Iterable[str] = (),
         unmarked: Callable[[str], bool] | None = None,
+        on_phase: PhaseHook | None = None,
     ) -> StepPromotion:
         # ``unmarked`` is not used: objects written without safeio under the step's prefix are refused
         # (moving them aside on an object store is a copy and a delete of each, not one rename).
@@ -215,6 +218,7 @@ class ObjectSteps(StepStorage):
             rank=rank,
             call_id=f"checkpoint/{step}",
             step=step,
+            on_phase=on_phase,
         )
 
     def next_sequence(self) -> int:
@@ -226,9 +230,10 @@ class ObjectSteps(StepStorage):
         self.fs.pipe_file(self._key(SEQUENCE), str(last + 1).encode())
         return last + 1
 
-    def after_commit(self, committed: CommittedStep, protect: frozenset[str]) -> list[str]:
+    def after_commit(self, committed: CommittedStep, protect: frozenset[str], phase: PhaseHook) -> list[str]:
         """After the marker, best effort (see ``LocalSteps.after_commit``)."""
         warnings = []
+        phase("pointer")
         try:
             self.fs.rm_file(f"{self._key(committed.name)}/{IN_PROGRESS}")
             self.fs.pipe_file(self._key(LATEST), committed.name.encode())
@@ -239,6 +244,7 @@ class ObjectSteps(StepStorage):
                 f"step {committed.step} is committed, but the pointer under {self.root_url} was not updated "
                 f"({exc}); latest() still finds the step, and the next save writes the pointer"
             )
+        phase("retention")
         try:
             retired = self.retired(committed, protect)
             for step in retired:

@@ -70,6 +70,10 @@ def _save_with_a_planted_value(rank: int, world: int, root: str, name: str, valu
     try:
         with ckpts.save(1) as ckpt:
             Path(ckpt.path, f"shard-{rank}").write_text(str(rank))
+            if rank == 1:
+                store.set("written", "1")
+            elif name == "rank/1":
+                _bounded_wait(store, "written")  # the writer must not abandon the stage under rank 1
             if rank == 1 and name == "rank/1":
                 _bounded_wait(store, f"{call}/outcome")  # the writer read the planted report, not rank 1's
             if rank == 0 and name == "fsync":

@@ -34,14 +34,13 @@ from typing import Any
 
 from safeio._checkpoints.pending import PendingCommit, check_future, wait_for_future
 from safeio._coordination.calls import MalformedValue, Progress, StoreGone, poll_until
-from safeio._coordination.checkpoint_call import (
-    CheckpointCall,
+from safeio._coordination.checkpoint_call import CheckpointCall, text
+from safeio._coordination.checkpoint_shares import (
     FsyncShares,
     NestedResults,
     hear_fsync_share,
     report_sync_failed,
     report_synced,
-    text,
 )
 from safeio._coordination.checkpoint_status import (
     ASYNC_SAVE,
@@ -521,8 +520,8 @@ class CheckpointSave:
             return
         try:
             self._join_stage(call, deadline)
-        except CollectiveMismatch:
-            raise  # every rank of the call hears it already
+        except (CollectiveMismatch, StoreGone):
+            raise  # every rank of the call hears it already; or the writer's process (the store) is gone
         except PeerTimeout as waited:
             raise self._gave_up(waited) from None
         except BaseException as exc:
@@ -685,11 +684,14 @@ class CheckpointSave:
                 f"This rank gave up: step {step} is not committed (rank {writer} sees that this rank gave up "
                 f"before its commit point and abandons the stage; latest is unchanged)."
             )
-        else:
+        elif outcome == "committing":
             said = (
                 f"This rank gave up after rank {writer} had begun the commit of step {step} (its rename): "
                 f"whether the step is committed is rank {writer}'s outcome; latest() tells."
             )
+            outcome = "unknown"
+        else:
+            said = f"This rank gave up; whether step {step} is committed is unknown here: latest() tells."
         return PeerTimeout(
             f"{waited} {said}",
             waited.path,

@@ -410,9 +410,10 @@ class Channel:
                 f"{self._last_published()}"
             )
         now = time.time()
+        host, pid, phase = (str(record.get(name))[:100] for name in ("host", "pid", "phase"))  # input
         return (
-            f"rank {writer} ({record.get('host')} pid {record.get('pid')}) has been in "
-            f"{record.get('phase')} of {self.target_url} for {now - float(record.get('since', now)):.0f} s "
+            f"rank {writer} ({host} pid {pid}) has been in {phase} of {self.target_url} for "
+            f"{now - float(record.get('since', now)):.0f} s "
             f"(last heard {now - float(record.get('heard', now)):.0f} s ago)"
         )
 

@@ -155,8 +155,9 @@ def test_object_store_steps_interrupted_foreign_and_retained(s3: dict[str, str])
     fs.pipe_file(f"{ckpt.path}/weights.bin", b"partial")
     from safeio._promotion import active
 
-    assert killed._entry is not None
+    assert killed._entry is not None and killed._watchdog is not None
     active.pop(killed._entry)
+    killed._watchdog.stop()  # the process "died": its watchdog went with it
     restarted = safeio.Checkpoints(root, keep=2, name="checkpoint-{step}")
     latest = restarted.latest()
     assert latest is not None and latest.step == 2 and latest.path == f"{root}/checkpoint-2"

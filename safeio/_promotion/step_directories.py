@@ -29,7 +29,7 @@ from safeio._errors import InvalidTargetError, PromotionError, SafeIOError, Targ
 from safeio._options import exchange_disabled
 from safeio._promotion.aside import RenameAside
 from safeio._promotion.atomic_file import AtomicFile
-from safeio._promotion.base import Promoted
+from safeio._promotion.base import PhaseHook, Promoted
 from safeio._promotion.exchange import ExchangeRename
 from safeio._promotion.leftovers import recover_directory
 from safeio._promotion.steps import (
@@ -90,11 +90,17 @@ class StepRename(ExchangeRename, StepPromotion):
         self._replaced: list[str] = []  # old versions renamed aside, deleted after the commit
         self.retire_also: set[str] = set()  # steps the framework's own retention chose (see retire())
 
-    def finish_step(self, stage: str, fsyncs: SharedFsyncs | None = None) -> Promoted:
+    def finish_step(
+        self,
+        stage: str,
+        fsyncs: SharedFsyncs | None = None,
+        *,
+        commit_point: Callable[[], None] | None = None,
+    ) -> Promoted:
         self._fsyncs = fsyncs
         if self._existing.adopt:
             self._adopt_existing()
-        return self.finish(stage)
+        return super().finish_step(stage, fsyncs, commit_point=commit_point)
 
     def _adopt_existing(self) -> None:
         """``ExistingDirectory.adopt``: the files of the directory the script saves into are kept in the
@@ -174,9 +180,12 @@ class StepRename(ExchangeRename, StepPromotion):
         self._steps.remember(committed)
         self.warnings.extend(
             self._steps.after_commit(
-                self.parent_fd, committed, self._protect, self.retire_also, self._replaced
+                self.parent_fd, committed, self._protect, self.phase, self.retire_also, self._replaced
             )
         )
+
+    def before_rename(self) -> None:
+        self.passing_commit_point()  # the manifest is written and sealed; the rename is the commit
 
     def _put_in_place(self, stage: str, entries: dict[str, dict[str, Any]]) -> None:
         super()._put_in_place(stage, entries)
@@ -268,6 +277,7 @@ class LocalSteps(StepStorage):
         rank: int,
         protect: Iterable[str] = (),
         existing: ExistingDirectory | None = None,
+        on_phase: PhaseHook | None = None,
     ) -> StepPromotion:
         existing = existing or ExistingDirectory()
         final_name = self.names.format(step)
@@ -296,6 +306,7 @@ class LocalSteps(StepStorage):
             steps=self,
             protect=frozenset(protect),
             existing=existing,
+            on_phase=on_phase,
         )
 
     def _judge_existing(
@@ -403,6 +414,7 @@ class LocalSteps(StepStorage):
         root_fd: int,
         committed: CommittedStep,
         protect: frozenset[str],
+        phase: PhaseHook,
         retire_also: Iterable[str] = (),
         replaced: Iterable[str] = (),
     ) -> list[str]:
@@ -410,6 +422,7 @@ class LocalSteps(StepStorage):
         repaired, never an error (the step is committed and every rank is told so). ``replaced``: old
         versions of the step, already renamed aside, deleted with the retired steps."""
         warnings = []
+        phase("pointer")
         try:
             if self.pointer or os.path.lexists(self.url(LATEST)):
                 self._write(LATEST, committed.name)
@@ -420,6 +433,7 @@ class LocalSteps(StepStorage):
                 f"step {committed.step} is committed, but the pointer in {self.root} was not updated "
                 f"({exc}); latest() still finds the step, and the next save writes the pointer"
             )
+        phase("retention")
         try:
             self._retire(root_fd, self.retired(committed, protect, retire_also), list(replaced))
         except (OSError, SafeIOError) as exc:

@@ -28,6 +28,7 @@ from typing import Any
 
 from safeio._boundary import mapped
 from safeio._errors import InvalidTargetError, TargetExistsError
+from safeio._promotion.base import PhaseHook
 from safeio._promotion.steps import (
     LATEST,
     MEGATRON_TRACKER,
@@ -120,9 +121,10 @@ class StepMarker(StepPromotion):
     def _promote(self, stage: str, entries: dict[str, dict[str, Any]]) -> None:
         self.sequence = self.steps.next_sequence()
         record = self.manifest_record(entries, None)
+        self.passing_commit_point()
         self.fs.pipe_file(f"{self.prefix}/{manifest.MANIFEST_NAME}", manifest.dumps(record))  # the commit
         committed = CommittedStep(int(self.step or 0), self.stage_name, self.sequence)
-        self.warnings.extend(self.steps.after_commit(committed, self._protect, self.retire_also))
+        self.warnings.extend(self.steps.after_commit(committed, self._protect, self.phase, self.retire_also))
 
     def discard(self, stage: str) -> None:
         # Without its marker it is never a checkpoint; if this fails, the next save of the step removes it.
@@ -212,6 +214,7 @@ class ObjectSteps(StepStorage):
         rank: int,
         protect: Iterable[str] = (),
         existing: ExistingDirectory | None = None,
+        on_phase: PhaseHook | None = None,
     ) -> StepPromotion:
         # ``existing`` is not used: objects written without safeio under the step's prefix are refused
         # (moving them aside on an object store is a copy and a delete of each, not one rename).
@@ -224,6 +227,7 @@ class ObjectSteps(StepStorage):
             rank=rank,
             call_id=f"checkpoint/{step}",
             step=step,
+            on_phase=on_phase,
         )
 
     def next_sequence(self) -> int:
@@ -242,10 +246,15 @@ class ObjectSteps(StepStorage):
             return False
 
     def after_commit(
-        self, committed: CommittedStep, protect: frozenset[str], retire_also: Iterable[str] = ()
+        self,
+        committed: CommittedStep,
+        protect: frozenset[str],
+        phase: PhaseHook,
+        retire_also: Iterable[str] = (),
     ) -> list[str]:
         """After the marker, best effort (see ``LocalSteps.after_commit``)."""
         warnings = []
+        phase("pointer")
         try:
             self.fs.rm_file(f"{self._key(committed.name)}/{IN_PROGRESS}")
             if self.pointer or self._has(LATEST):
@@ -257,6 +266,7 @@ class ObjectSteps(StepStorage):
                 f"step {committed.step} is committed, but the pointer under {self.root_url} was not updated "
                 f"({exc}); latest() still finds the step, and the next save writes the pointer"
             )
+        phase("retention")
         try:
             retired = self.retired(committed, protect, retire_also)
             for step in retired:

@@ -19,7 +19,8 @@ from typing import Protocol
 
 from safeio._errors import InvalidOptionError
 from safeio._options import SaveOptions
-from safeio._promotion.base import Promoted, Promotion
+from safeio._promotion.base import PhaseHook, Promoted, Promotion
+from safeio._stalls import Cadence, seconds, thread_stack
 from safeio._storage.dirfd import is_component
 from safeio._storage.readers import TargetReader
 from safeio._threads import start_background
@@ -87,10 +88,25 @@ class StepPromotion(Promotion):
     # Whether the commit syncs the stage's files (a durable commit on a POSIX filesystem), so that the
     # ranks can share the work out (``finish_step``'s ``fsyncs``).
     shares_fsyncs = False
+    # Called right before the commit point (the rename, the marker); it raises to commit nothing (a rank
+    # gave up waiting: it was told the step is not committed).
+    _commit_point: Callable[[], None] | None = None
 
-    def finish_step(self, stage: str, fsyncs: SharedFsyncs | None = None) -> Promoted:
-        """Commit ``stage``; where the commit syncs files, ``fsyncs`` shares them out among the ranks."""
+    def finish_step(
+        self,
+        stage: str,
+        fsyncs: SharedFsyncs | None = None,
+        *,
+        commit_point: Callable[[], None] | None = None,
+    ) -> Promoted:
+        """Commit ``stage``; where the commit syncs files, ``fsyncs`` shares them out among the ranks;
+        ``commit_point()`` is called right before the commit point and may raise to commit nothing."""
+        self._commit_point = commit_point
         return self.finish(stage)
+
+    def passing_commit_point(self) -> None:
+        if self._commit_point is not None:
+            self._commit_point()
 
 
 @dataclass(frozen=True)
@@ -193,11 +209,13 @@ class StepStorage(ABC):
         rank: int,
         protect: Iterable[str] = (),
         existing: ExistingDirectory | None = None,
+        on_phase: PhaseHook | None = None,
     ) -> StepPromotion:
         """The writer: the commit of ``step`` (its stage is made by ``open_stage``); retention after it
         never removes a step named in ``protect``. ``existing``: what to do with a directory written
         without safeio at the step's name (``Checkpoints.save``); a kind of place that cannot do it
-        refuses."""
+        refuses. ``on_phase`` hears each phase of the commit (the promotion flow's, then "pointer" and
+        "retention")."""
 
     @abstractmethod
     def is_stage_of(self, stage_name: str, step: int) -> bool:
@@ -356,7 +374,34 @@ class StepStorage(ABC):
         self._deleting = start_background(run, name=f"safeio-retention {what}", bound=self.options.timeout)
 
     def join_deletions(self) -> None:
+        """Wait for the deletion of retired steps, bounded (the timeout): one that hangs (a dead NFS
+        server) is left to finish or fail on its own, with a WARNING. While it lasts, the waiting
+        thread says so on the stall cadence, with where the deletion is."""
         deleting, self._deleting = self._deleting, None
-        if deleting is not None:
-            # Bounded: a deletion that hangs (a dead NFS server) is left to finish or fail on its own.
-            deleting.join(self.options.timeout)
+        if deleting is None:
+            return
+        cadence = Cadence(self.options.warn_after)
+        while deleting.is_alive() and cadence.elapsed() < self.options.timeout:
+            deleting.join(min(cadence.due_in(), self.options.timeout - cadence.elapsed()))
+            elapsed = cadence.take() if deleting.is_alive() else None
+            if elapsed is not None:
+                logger.warning(
+                    "%s: still waiting after %s s for %s to finish (%s, retention of %s): the step before "
+                    "was committed; a filesystem that does not answer holds it (check the mount). Its "
+                    "stack (most recent call last):\n%s",
+                    who(),
+                    seconds(elapsed),
+                    deleting.name,
+                    "the deletion of retired steps renamed aside",
+                    self.root_url,
+                    thread_stack(deleting.ident),
+                )
+        if deleting.is_alive():
+            logger.warning(
+                "%s: %s is still running after %g s (the timeout): left to finish on its own; what it "
+                "leaves is removed by `safeio gc %s`",
+                who(),
+                deleting.name,
+                self.options.timeout,
+                self.root_url,
+            )

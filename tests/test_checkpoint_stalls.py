@@ -252,6 +252,22 @@ def test_a_writer_hung_in_the_filesystem_before_its_commit_point_commits_nothing
     _no_step_1(root)
 
 
+def test_a_step_replaced_after_a_rank_gave_up_stays_the_old_version(nfslike_mount: Mount) -> None:
+    """The same with step 1 committed already (a rollback saves it again): its commit point is the swap
+    that replaces the old version, which the writer must not make once rank 1 gave up. The mount hangs
+    the stage's manifest, written under the root's lock just before the swap (the old step's name is in
+    the kernel's cache, so a lookup of it would not reach the mount). The old version stays whole under
+    the name, as rank 1 was told ("not committed")."""
+    root = nfslike_mount.path / "run"
+    with safeio.Checkpoints(root, group=safeio.Group()).save(1) as ckpt:  # the earlier commit
+        Path(ckpt.path, "shard-0").write_text("old")
+    writer, peer = _hang_the_commit(nfslike_mount, "run/.step_1.safeio-stage*/.safeio-manifest.json", root)
+    assert (peer["error"]["type"], peer["error"]["outcome"]) == ("PeerTimeout", "not committed"), peer
+    assert writer["error"]["type"] == "CheckpointError" and writer["error"]["failed"][1].startswith("gave up")
+    assert (root / "step_1" / "shard-0").read_text() == "old"  # not swapped for the abandoned stage
+    assert not (root / "step_1" / "shard-1").exists()
+
+
 def test_a_writer_hung_after_its_commit_point_leaves_the_outcome_to_latest(nfslike_mount: Mount) -> None:
     """The mount stops answering while the writer points ``latest`` at the step it has just renamed
     into place: rank 1 gives up knowing that the writer had begun the commit ("unknown"); the writer,

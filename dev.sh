@@ -133,5 +133,5 @@ case "$cmd" in
     "$VENV/bin/mkdocs" build --strict --site-dir "$site" "$@"
     echo "dev.sh: docs built (strict) into $site, removed" >&2 ;;
   *)
-    echo "usage: ./dev.sh demo|test|lint|bench|docs [args...]" >&2; exit 2 ;;
+    echo "usage: ./dev.sh demo|test [--stress N]|lint|bench|docs [args...]" >&2; exit 2 ;;
 esac

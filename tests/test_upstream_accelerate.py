@@ -50,9 +50,9 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return path
 
 
-# torch's own teardown race, not safeio's (measured with accelerate's examples: 1 job in ~30 on both
-# sides): a gloo worker still dropping the last collective's Python-owned tensors needs the GIL after
-# finalization began, and the rank aborts. A job that dies of exactly that is run again, once; a second
+# torch's own teardown race, not safeio's (docs/troubleshooting.md, "A job that does not exit"; measured
+# with accelerate's examples: 1 job in ~30 on both sides): a gloo worker still dropping the last
+# collective's Python-owned tensors needs the GIL after finalization began, and the rank aborts. A job that dies of exactly that is run again, once; a second
 # time, a hang or any other failure fails the test.
 TEARDOWN_RACE = "terminate called without an active exception"
 

@@ -56,6 +56,44 @@ ensure_venv() {
   fi
 }
 
+run_with_burners() {
+  # Runs "$@" with $1 busy CPU burners beside it and ends them by their pids when it ends, whatever
+  # happens (a failure, Ctrl-C, a TERM, which is passed on to the command). A burner also stops by
+  # itself once this shell is gone (even SIGKILLed): it watches its parent, so none outlives the run.
+  local n=$1 pids=() i child code=0
+  shift
+  for ((i = 0; i < n; i++)); do
+    "$VENV/bin/python" -c '
+import os
+parent = os.getppid()
+while os.getppid() == parent:
+    for _ in range(200_000):
+        pass
+' &
+    pids+=($!)
+  done
+  # shellcheck disable=SC2317 # called through the trap
+  stop_burners() { [ ${#pids[@]} -eq 0 ] || { kill "${pids[@]}" 2>/dev/null; wait "${pids[@]}" 2>/dev/null; } || true; pids=(); }
+  trap stop_burners EXIT
+  echo "dev.sh: $n CPU burner(s) running beside the suite (pids ${pids[*]:-none})" >&2
+  local started=$SECONDS
+  # In the background so that a TERM reaches this shell's trap at once (a foreground child defers
+  # it); Ctrl-C restored for the command (a background job may start with SIGINT ignored).
+  ( trap - INT; exec "$@" ) &
+  child=$!
+  trap 'kill -TERM "$child" 2>/dev/null' TERM
+  trap 'kill -INT "$child" 2>/dev/null' INT
+  while :; do
+    code=0
+    wait "$child" || code=$?
+    kill -0 "$child" 2>/dev/null || break  # a signal interrupted the wait, not the command's end
+  done
+  stop_burners
+  trap - INT TERM EXIT
+  echo "dev.sh: finished in $((SECONDS - started)) s beside $n burner(s); exit code $code" >&2
+  return $code
+}
+
 cmd=${1:-help}
 [ $# -gt 0 ] && shift
 case "$cmd" in
@@ -64,6 +102,14 @@ case "$cmd" in
     exec "$VENV/bin/safeio" demo "$@" ;;
   test)
     ensure_fuse; ensure_venv
+    # `./dev.sh test --stress N [pytest args]`: the suite with N busy CPU burners beside it, as on a
+    # shared, loaded CI runner (issue 37: bounds that load could exceed failed there and nowhere else).
+    if [ "${1:-}" = --stress ] || [[ "${1:-}" == --stress=* ]]; then
+      if [ "$1" = --stress ]; then burners=${2:-}; shift 2 || shift; else burners=${1#--stress=}; shift; fi
+      [[ "$burners" =~ ^[0-9]+$ ]] || { echo "dev.sh: --stress takes a number of CPU burners" >&2; exit 2; }
+      run_with_burners "$burners" "$VENV/bin/python" -m pytest "$@"
+      exit $?
+    fi
     exec "$VENV/bin/python" -m pytest "$@" ;;
   lint)
     ensure_venv
@@ -87,5 +133,5 @@ case "$cmd" in
     "$VENV/bin/mkdocs" build --strict --site-dir "$site" "$@"
     echo "dev.sh: docs built (strict) into $site, removed" >&2 ;;
   *)
-    echo "usage: ./dev.sh demo|test|lint|bench|docs [args...]" >&2; exit 2 ;;
+    echo "usage: ./dev.sh demo|test [--stress N]|lint|bench|docs [args...]" >&2; exit 2 ;;
 esac

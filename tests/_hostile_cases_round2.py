@@ -25,6 +25,7 @@ from safeio._coordination.group import Group
 from safeio._promotion.local import LocalPromotion
 from safeio._storage.manifest import MANIFEST_NAME, MERGE_INTENT_NAME
 from tests._hostile_cases import (
+    CASE_CEILING,
     ROOT_ONLY,
     Share,
     captured_warnings,
@@ -223,7 +224,7 @@ def r2case6_a_peer_without_a_store_never_takes_another_jobs_save(share: Share) -
         args=("theirs", lambda: save(target, {"tokenizer.json": "theirs"}, group=Group(0, 1))),
     )
     rival.start()
-    rival.join(30)
+    rival.join(CASE_CEILING)  # bounded by the runner's stall alarm first
     assert not rival.is_alive() and safeio.verify(target) == []
     if share.privileged:
         os.lchown(target / MANIFEST_NAME, OTHER, OTHER)

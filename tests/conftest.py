@@ -1,12 +1,13 @@
 from __future__ import annotations
 
-import os
 import secrets
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+
+from safeio.testing._cleanup import remove_scratch
 
 # Other projects' tests, kept as their authors wrote them: tests/test_upstream_suites.py runs them in
 # subprocesses of their own (with their own configuration), never in this session.
@@ -21,12 +22,7 @@ def shared_dir() -> Iterator[Path]:
     try:
         yield path
     finally:
-        import shutil
-
-        for root, dirs, _files in os.walk(path):
-            for d in dirs:
-                os.chmod(os.path.join(root, d), 0o755)
-        shutil.rmtree(path, ignore_errors=True)
+        remove_scratch(path)  # at any depth: shutil.rmtree recursed (RecursionError in teardown)
 
 
 @pytest.fixture

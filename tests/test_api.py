@@ -19,6 +19,7 @@ import safeio
 from safeio import _errors as errors
 from safeio._coordination.group import from_environment
 from safeio._storage.mounts import MountInfo, read_mounts
+from tests._bounds import PATIENT
 
 
 def test_exports_exactly_all() -> None:
@@ -136,7 +137,7 @@ def _hold_lock(path: str, ready: str) -> None:
 
     with filelock.FileLock(path):
         Path(ready).write_text("held")
-        time.sleep(30)  # hold the lock for the test's lifetime; the test kills this process
+        time.sleep(3600)  # hold the lock for the test's lifetime, however slow; the test kills this process
 
 
 def test_lock_timeout_names_the_lock(tmp_path: Path) -> None:
@@ -152,7 +153,7 @@ def test_lock_timeout_names_the_lock(tmp_path: Path) -> None:
         cwd=Path(__file__).parent.parent,
     )
     try:
-        deadline = time.monotonic() + 30
+        deadline = time.monotonic() + PATIENT
         while not ready.exists() and time.monotonic() < deadline:
             time.sleep(0.02)
         # A first save of a target needs no lock (its rename never replaces anything).
@@ -178,16 +179,18 @@ def test_lease_lock_holder_is_named(tmp_path: Path) -> None:
 
     target = tmp_path / "tok"
     code = (
+        # The lease is renewed by the holder's heartbeat for as long as it lives (the test kills it):
+        # however slow the test, it meets a live lease. Its duration is safeio's (contenders must agree).
         "import filelock,sys,time;l=filelock.SoftFileLease(sys.argv[1],lease_duration=30);l.acquire();"
-        "open(sys.argv[2],'w').write('1');time.sleep(30)"
+        "open(sys.argv[2],'w').write('1');time.sleep(3600)"
     )
     ready = tmp_path / "ready"
     holder = subprocess.Popen([sys.executable, "-c", code, str(tmp_path / ".tok.safeio.lock"), str(ready)])
     try:
-        deadline = time.monotonic() + 30
+        deadline = time.monotonic() + PATIENT
         while not ready.exists() and time.monotonic() < deadline:
             time.sleep(0.02)
-        with safeio.replicated(target, timeout=5, lock="lease") as stage:  # a first save: no lock
+        with safeio.replicated(target, timeout=PATIENT, lock="lease") as stage:  # a first save: no lock
             Path(stage.path, "a").write_text("1")
         with pytest.raises(safeio.LockTimeout) as info, safeio.replicated(target, timeout=0.5, lock="lease"):
             pass

@@ -11,10 +11,12 @@ from typing import Any
 
 import pytest
 
+from tests._bounds import PATIENT
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def _quick(out: Path, name: str, timeout: float = 110) -> dict[str, Any]:
+def _quick(out: Path, name: str, timeout: float = PATIENT - 10) -> dict[str, Any]:
     """Run one benchmark in quick mode into ``out``; its result as results.json holds it."""
     subprocess.run(
         [sys.executable, "-m", "benchmarks", "--quick", "--only", name, "--out", str(out)],
@@ -28,10 +30,10 @@ def _quick(out: Path, name: str, timeout: float = 110) -> dict[str, Any]:
     return result
 
 
-@pytest.mark.timeout(60)
+@pytest.mark.timeout(PATIENT)
 def test_quick_promotion_benchmark_writes_results(tmp_path: Path) -> None:
     out = tmp_path / "results"
-    _quick(out, "promotion", timeout=60)
+    _quick(out, "promotion")
     doc = json.loads((out / "results.json").read_text())
     assert set(doc) == {"meta", "benchmarks"}
     assert {"command", "date", "machine", "seconds", "ran"} <= set(doc["meta"])
@@ -45,7 +47,7 @@ def test_quick_promotion_benchmark_writes_results(tmp_path: Path) -> None:
     assert (out / "results.png").stat().st_size > 0
 
 
-@pytest.mark.timeout(120)
+@pytest.mark.timeout(PATIENT)
 def test_quick_seed_benchmark_reports_rows(tmp_path: Path) -> None:
     """Figure 8 (4 ranks in quick mode) on the NFS-like mount: every row is there, every value finite."""
     import math
@@ -66,7 +68,7 @@ def test_quick_seed_benchmark_reports_rows(tmp_path: Path) -> None:
     assert "## 8. The seed's job size" in (out / "results.md").read_text()
 
 
-@pytest.mark.timeout(120)
+@pytest.mark.timeout(PATIENT)
 def test_quick_peers_benchmark_reports_rows(tmp_path: Path) -> None:
     """Figure 7 in quick mode (4 gloo ranks, 64 simulated peers on one TCPStore): rows there, values finite."""
     import math
@@ -88,7 +90,7 @@ def test_quick_peers_benchmark_reports_rows(tmp_path: Path) -> None:
     assert "## 7. Peer release latency" in (out / "results.md").read_text()
 
 
-@pytest.mark.timeout(120)
+@pytest.mark.timeout(PATIENT)
 def test_quick_history_benchmark_reports_rows(tmp_path: Path) -> None:
     """Figure 10 in quick mode: the commit and latest() at few and many steps, and a save that retires a
     step against one that retires none: every row there, every value a finite positive ratio."""
@@ -101,7 +103,7 @@ def test_quick_history_benchmark_reports_rows(tmp_path: Path) -> None:
         assert 0 < value["lo"] <= value["median"] <= value["hi"] < float("inf"), row
 
 
-@pytest.mark.timeout(120)
+@pytest.mark.timeout(PATIENT)
 def test_quick_wrapper_benchmark_reports_the_two_1mb_targets(tmp_path: Path) -> None:
     """Figure 1 in quick mode (ext4 only): the 1 MB tokenizer's two targets, each with a note saying met or
     missed and why (issue 26)."""

@@ -15,6 +15,9 @@ import pytest
 import safeio
 from safeio._diagnostics.collectives import COLLECTIVES, writer_only_section
 from safeio.testing.ranks import run_ranks
+from tests._bounds import PATIENT, RUN
+
+STALL = 6.0  # seconds a collective escaped from the writer-only section blocks (its group's timeout)
 
 # -- in one process: what is patched, when, and for which thread ----------------------------------
 
@@ -105,12 +108,12 @@ def _gather_in_writer_body(rank: int, world: int, shared: str) -> dict[str, Any]
             out["plain"] = (type(exc).__name__, str(exc)[:300], time.monotonic() - start)
         store.set("plain-done", "1")
     else:
-        store.wait(["plain-done"], timedelta(seconds=60))
+        store.wait(["plain-done"], timedelta(seconds=PATIENT))
     # With safeio: the same call inside the writer-only section of a replicated save.
     target = os.path.join(shared, "tok")
     start = time.monotonic()
     try:
-        with safeio.replicated(target, timeout=30) as stage:
+        with safeio.replicated(target, timeout=PATIENT) as stage:
             Path(stage.path, "tokenizer_config.json").write_text("{}")
             if stage.is_writer:
                 with writer_only_section(stage.target):
@@ -121,13 +124,15 @@ def _gather_in_writer_body(rank: int, world: int, shared: str) -> dict[str, Any]
 
 
 def test_all_gather_object_in_the_writer_section(shared_dir: Path) -> None:
-    results = run_ranks(_gather_in_writer_body, 2, str(shared_dir), timeout=90)
+    results = run_ranks(_gather_in_writer_body, 2, str(shared_dir), timeout=RUN)
     kind, message, took = results[0].value["plain"]
     # The failure safeio prevents: the writer blocks for the whole collective timeout (hours by default),
     # and what it finally says names neither the save nor the collective's misuse.
     assert took >= 1.5 and kind != "CollectiveInWriterSection", results[0].value
     kind, message, took = results[0].value["safeio"]
-    assert kind == "CollectiveInWriterSection" and took < 1.0, results[0].value
+    # At once: not after the default group's collective timeout (60 s), which the call would have
+    # waited out; the margin is what load adds to a save's start (issue 37: 1 s was exceeded).
+    assert kind == "CollectiveInWriterSection" and took < 30, results[0].value
     assert "all_gather_object" in message and str(shared_dir / "tok") in message and "rank 0" in message
     kind, message, _took = results[1].value["safeio"]
     assert (
@@ -155,10 +160,10 @@ def _dcp_behind_a_rank0_guard(rank: int, world: int, shared: str) -> dict[str, A
             out["plain"] = (type(exc).__name__, time.monotonic() - start)
         store.set("plain-done", "1")
     else:
-        store.wait(["plain-done"], timedelta(seconds=60))
+        store.wait(["plain-done"], timedelta(seconds=PATIENT))
     start = time.monotonic()
     try:
-        with safeio.replicated(os.path.join(shared, "model"), timeout=30) as stage:
+        with safeio.replicated(os.path.join(shared, "model"), timeout=PATIENT) as stage:
             if stage.is_writer:
                 with writer_only_section(stage.target):
                     dcp.save(state, checkpoint_id=stage.path)
@@ -168,11 +173,11 @@ def _dcp_behind_a_rank0_guard(rank: int, world: int, shared: str) -> dict[str, A
 
 
 def test_dcp_save_in_the_writer_section_raises_at_once(shared_dir: Path) -> None:
-    results = run_ranks(_dcp_behind_a_rank0_guard, 2, str(shared_dir), timeout=90)
+    results = run_ranks(_dcp_behind_a_rank0_guard, 2, str(shared_dir), timeout=RUN)
     kind, took = results[0].value["plain"]
     assert took >= 1.5 and kind != "CollectiveInWriterSection", results[0].value
     kind, message, took = results[0].value["safeio"]
-    assert kind == "CollectiveInWriterSection" and took < 2.0, results[0].value
+    assert kind == "CollectiveInWriterSection" and took < 30, results[0].value  # at once, as above
     # DCP's first collective (gather_object in torch 2.13) names itself; the save's target is named too.
     assert re.search(r"torch\.distributed\.\w+\(\) was called inside the writer-only save of", message)
     assert str(shared_dir / "model") in message
@@ -205,7 +210,7 @@ def _dcp_beside_safeio(rank: int, world: int, shared: str) -> dict[str, Any]:
         release.set()
         if rank == 0:
             side.join(30)
-    with safeio.replicated(os.path.join(step, "tokenizer"), timeout=30) as stage:
+    with safeio.replicated(os.path.join(step, "tokenizer"), timeout=PATIENT) as stage:
         if stage.is_writer:
             with writer_only_section(stage.target):
                 Path(stage.path, "tokenizer_config.json").write_text('{"step": 5}')
@@ -219,7 +224,7 @@ def _dcp_beside_safeio(rank: int, world: int, shared: str) -> dict[str, Any]:
 
 
 def test_dcp_saves_run_normally_on_every_rank_beside_safeio_saves(shared_dir: Path) -> None:
-    results = run_ranks(_dcp_beside_safeio, 2, str(shared_dir), timeout=90)
+    results = run_ranks(_dcp_beside_safeio, 2, str(shared_dir), timeout=RUN)
     for r in results:
         assert r.value == {"mine": [float(r.rank)] * 4, "shared": [0.0, 1.0, 2.0], "tokenizer": True}
     files = sorted(os.listdir(shared_dir / "step_5" / "model"))
@@ -229,23 +234,27 @@ def test_dcp_saves_run_normally_on_every_rank_beside_safeio_saves(shared_dir: Pa
 def _bound_barrier_in_writer_body(rank: int, world: int, shared: str) -> dict[str, Any]:
     import logging
 
+    import torch.distributed as dist
+
     # Bound before any section, as `from torch.distributed import barrier` at a module's top binds it:
     # the section's check never sees the call.
     from torch.distributed import barrier as bound_barrier
 
     from tests.test_watchdog import _Collect
 
-    group = _short_group()
+    # The stall lasts the group's timeout: long enough that a watchdog tick falls in it however late
+    # load makes the ticks (issue 37), short enough for the suite.
+    group = dist.new_group(backend="gloo", timeout=timedelta(seconds=STALL))
     out: dict[str, Any] = {}
     log = _Collect()
     logging.getLogger("safeio").addHandler(log)
     target = os.path.join(shared, "tok")
     try:
-        with safeio.replicated(target, timeout=20, warn_after=0.3) as stage:
+        with safeio.replicated(target, timeout=PATIENT, warn_after=0.3) as stage:
             Path(stage.path, "tokenizer_config.json").write_text("{}")
             if stage.is_writer:
                 with writer_only_section(stage.target):
-                    bound_barrier(group=group)  # blocks until the group's 2 s timeout: no rank joins
+                    bound_barrier(group=group)  # blocks until the group's timeout: no rank joins
     except Exception as exc:
         out["error"] = type(exc).__name__
     out["warnings"] = [m for level, m in log.records if level == logging.WARNING and "has been in" in m]
@@ -253,7 +262,7 @@ def _bound_barrier_in_writer_body(rank: int, world: int, shared: str) -> dict[st
 
 
 def test_the_watchdog_names_a_collective_that_escaped_the_section(shared_dir: Path) -> None:
-    results = run_ranks(_bound_barrier_in_writer_body, 2, str(shared_dir), timeout=90)
+    results = run_ranks(_bound_barrier_in_writer_body, 2, str(shared_dir), timeout=RUN)
     writer = results[0].value
     target = str(shared_dir / "tok")
     assert writer["warnings"], writer  # the stall is reported while it lasts ...

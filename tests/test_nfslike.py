@@ -23,8 +23,9 @@ import pytest
 from safeio.testing import nfslike
 from safeio.testing.nfslike import Mount, mount
 from safeio.testing.pytest_plugin import require_fuse, skip_or_fail
+from tests._bounds import PATIENT
 
-pytestmark = pytest.mark.timeout(60)
+pytestmark = pytest.mark.timeout(600)  # a net for a hung FUSE request; generous under load (issue 37)
 
 RENAME_NOREPLACE = 1
 RENAME_EXCHANGE = 2
@@ -52,7 +53,7 @@ class Child:
             self._lines.put(line)
         self._lines.put(None)
 
-    def expect(self, timeout: float = 10.0) -> Any:
+    def expect(self, timeout: float = PATIENT) -> Any:
         """The child's next JSON line (bounded wait)."""
         try:
             line = self._lines.get(timeout=timeout)
@@ -68,7 +69,7 @@ class Child:
         self.proc.stdin.write(line + "\n")
         self.proc.stdin.flush()
 
-    def finish(self, timeout: float = 10.0) -> int:
+    def finish(self, timeout: float = PATIENT) -> int:
         assert self.proc.stdin is not None
         if not self.proc.stdin.closed:
             self.proc.stdin.close()
@@ -97,8 +98,9 @@ def raises_errno(code: int) -> Iterator[None]:
     assert raised.value.errno == code
 
 
-def wait_until(predicate: Callable[[], bool], timeout: float = 5.0, what: str = "condition") -> float:
-    """Poll `predicate` until true; returns the seconds it took (bounded)."""
+def wait_until(predicate: Callable[[], bool], timeout: float = PATIENT, what: str = "condition") -> float:
+    """Poll `predicate` until true; returns the seconds it took (bounded generously: the outcome is the
+    subject, and load only delays it, issue 37)."""
     start = time.monotonic()
     while not predicate():
         if time.monotonic() - start > timeout:
@@ -207,7 +209,7 @@ def test_a_hidden_file_stays_where_it_was_located_until_the_block_ends(tmp_path:
         assert releasing.is_alive(), "the release did not wait for the pinned location"
         with open(located, encoding="utf-8") as old:
             assert old.read() == "old"
-    releasing.join(10)
+    releasing.join(PATIENT)
     assert not releasing.is_alive()
     with hidden.pinned("/.fuse_hidden0001", str(tmp_path)) as located:
         assert located is None
@@ -291,7 +293,7 @@ def test_reads_block_behind_a_pending_truncate_then_fail(nfslike_mount: Mount) -
     wait_until(lambda: nfslike_mount.ops().of(os.getpid()).get("open_trunc", 0) == 1, what="truncate pending")
     reader.send()
     assert reader.expect() == errno.EIO
-    truncater.join(10)
+    truncater.join(PATIENT)
     reader.finish()
     [exc] = outcome
     assert isinstance(exc, OSError)
@@ -335,7 +337,7 @@ def test_write_temp_fsync_rename_has_no_hazards(nfslike_mount: Mount) -> None:
     readers = [Child(reader_code, str(target)) for _ in range(2)]
     writers = [Child(writer_code, str(target), str(n)) for n in range(3)]
     for writer in writers:
-        assert writer.expect(30) == "done"
+        assert writer.expect() == "done"
         assert writer.finish() == 0
     for reader in readers:
         reader.send("stop")
@@ -514,7 +516,7 @@ def test_hang_after_bytes_leaves_the_file_torn_and_names_the_writer(nfslike_moun
         str(nfslike_mount.path / "model.ckpt"),
     )
     assert child.expect() == 4096
-    deadline = time.monotonic() + 10
+    deadline = time.monotonic() + PATIENT
     while not (held := nfslike_mount.hung()):
         assert time.monotonic() < deadline, "the second write never reached the mount"
         time.sleep(0.02)  # a bounded poll: the daemon has nothing to block on for us
@@ -710,9 +712,9 @@ def test_a_killed_test_process_leaves_no_mount(tmp_path: Path) -> None:
     daemon = parent.expect()
     assert _mounted(mnt)
     parent.proc.kill()
-    parent.proc.wait(10)
-    wait_until(lambda: not _mounted(mnt), timeout=10, what="the mount is gone")
-    wait_until(lambda: not _alive(daemon), timeout=10, what="the daemon is gone")
+    parent.proc.wait(PATIENT)
+    wait_until(lambda: not _mounted(mnt), what="the mount is gone")
+    wait_until(lambda: not _alive(daemon), what="the daemon is gone")
 
 
 def test_a_stale_mount_is_cleaned_at_the_next_start(tmp_path: Path) -> None:
@@ -727,10 +729,10 @@ def test_a_stale_mount_is_cleaned_at_the_next_start(tmp_path: Path) -> None:
         stderr=subprocess.DEVNULL,
     )
     try:
-        wait_until(lambda: _mounted(mnt), timeout=10, what="the hand-started daemon mounted")
+        wait_until(lambda: _mounted(mnt), what="the hand-started daemon mounted")
     finally:
         daemon.kill()
-        daemon.wait(10)
+        daemon.wait(PATIENT)
     with raises_errno(errno.ENOTCONN):  # a dead mount, as a crashed run leaves it
         os.listdir(mnt)
     with mount(backing, mnt) as m:
@@ -745,7 +747,7 @@ def test_command_line_help() -> None:
         check=True,
         capture_output=True,
         text=True,
-        timeout=30,
+        timeout=PATIENT,
     )
     for option in ("--hazard-timeout", "--silly-rename", "--entry-timeout", "--hang", "--state-dir"):
         assert option in done.stdout

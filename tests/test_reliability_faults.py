@@ -6,8 +6,10 @@
   the same budget, loses it — the failure safeio prevents.
 - With 8 gloo ranks, a writer failure of each kind (body error, ENOSPC, EIO on fsync, a file or a
   foreign symlink where the target should be, ``mode="error"``, a lock held by a rival past the
-  timeout) reaches every rank as ``RemoteWriterError`` within seconds; a writer killed outright makes
-  every peer raise ``PeerTimeout`` at its timeout. No rank hangs.
+  timeout) reaches every rank as ``RemoteWriterError``, told by the writer long before the peers' own
+  (generous) timeout; a writer killed outright makes every peer raise ``PeerTimeout`` at its timeout. No
+  rank hangs. How fast each peer learned is recorded for the reliability report; the test asserts only
+  what load cannot change (issue 37: a 5 s bound failed on a loaded machine).
 """
 
 from __future__ import annotations
@@ -25,13 +27,17 @@ import safeio
 from safeio._storage.locking import lock_path_for, make_lock
 from safeio.testing.nfslike import Mount
 from safeio.testing.ranks import run_ranks
+from tests._bounds import PATIENT, RUN
 from tests._reliability import SCALE, SEED, record, scaled, whole_version, write_version
 
 pytest.importorskip("transformers")
 
 WORLD = 8
-FAST = 5.0  # seconds within which every peer must know the writer failed
-KILLED_TIMEOUT = 4.0  # a dead writer publishes nothing: peers learn it at their timeout
+# The peers' timeout where the writer's failure is the subject: a peer that was not told would wait it
+# out, so being told is the outcome RemoteWriterError, and "fast" is "far sooner than this".
+TOLD_WITHIN = PATIENT
+KILLED_TIMEOUT = 4.0  # a dead writer publishes nothing: peers learn it at their timeout (the subject)
+WRITER_LOCK_TIMEOUT = 2.0  # the writer's wait for the rival's lock (its LockTimeout is the subject)
 
 
 def _stage_dirs(parent: Path) -> list[str]:
@@ -104,7 +110,11 @@ def _propagation(rank: int, world: int, cases: list[tuple[str, str, dict[str, An
     import torch.distributed as dist
 
     out: dict[str, Any] = {}
-    for label, target, options in cases:
+    for label, target, case_options in cases:
+        options = dict(case_options)
+        writer_timeout = options.pop("writer_timeout", None)
+        if rank == 0 and writer_timeout is not None:
+            options["timeout"] = writer_timeout
         dist.barrier()  # every rank starts the case together; its clock starts here
         start = time.monotonic()
         try:
@@ -131,7 +141,7 @@ def test_every_writer_failure_reaches_all_8_ranks(
     with safeio.replicated(shared_dir / "locked") as stage:  # only replacing a target takes the lock
         Path(stage.path, "old").write_text("old")
     (other.path / "eio").mkdir()
-    timeout = {"timeout": 30.0}
+    timeout = {"timeout": TOLD_WITHIN}
     cases = [
         ("body raises", str(shared_dir / "body"), timeout),
         ("ENOSPC", str(full.path / "full"), timeout),
@@ -139,7 +149,13 @@ def test_every_writer_failure_reaches_all_8_ranks(
         ("target is a file", str(shared_dir / "file"), timeout),
         ("target is a foreign symlink", str(shared_dir / "link"), timeout),
         ("mode=error, target exists", str(shared_dir / "exists"), {**timeout, "mode": "error"}),
-        ("lock held past the timeout", str(shared_dir / "locked"), {"timeout": 2.0}),
+        # The writer gives up on the lock after 2 s; its peers wait longer than that, however late
+        # load makes the writer start (with one timeout for all, peers timed out first under load).
+        (
+            "lock held past the timeout",
+            str(shared_dir / "locked"),
+            {**timeout, "writer_timeout": WRITER_LOCK_TIMEOUT},
+        ),
         ("killed", str(shared_dir / "killed"), {"timeout": KILLED_TIMEOUT}),
     ]
     rival = make_lock(lock_path_for(str(shared_dir), "locked"), "flock", 5)
@@ -147,7 +163,7 @@ def test_every_writer_failure_reaches_all_8_ranks(
     rival.acquire()  # a rival job holding the promotion lock throughout
     full.set_faults(enospc_after=30000)  # only the ENOSPC case writes through this client
     try:
-        results = run_ranks(_propagation, WORLD, cases, timeout=240, check=False)
+        results = run_ranks(_propagation, WORLD, cases, timeout=RUN, check=False)
     finally:
         rival.release()
         full.set_faults(enospc_after=None)
@@ -167,12 +183,17 @@ def test_every_writer_failure_reaches_all_8_ranks(
         assert r.ok, r
         for label, want in expected.items():
             outcome, took = r.value[label]
+            # Told by the writer (a peer not told would raise PeerTimeout after TOLD_WITHIN).
             assert outcome == f"RemoteWriterError({want})", (r.rank, label, outcome)
-            limit = FAST + (2.0 if "lock" in label else 0.0)
-            assert took < limit, f"rank {r.rank} learned of {label!r} after {took} s"
+            assert took < TOLD_WITHIN / 5, f"rank {r.rank} learned of {label!r} after {took} s"
             worst[label] = max(worst.get(label, 0.0), took)
         outcome, took = r.value["killed"]
-        assert outcome == "PeerTimeout" and took < KILLED_TIMEOUT + FAST, (r.rank, outcome, took)
+        # The timeout is the subject: never before it; after it, by what load adds to a wake-up.
+        assert outcome == "PeerTimeout" and KILLED_TIMEOUT <= took < KILLED_TIMEOUT + 60, (
+            r.rank,
+            outcome,
+            took,
+        )
         worst["killed"] = max(worst.get("killed", 0.0), took)
     assert (shared_dir / "file").read_text() == "precious" and os.path.islink(shared_dir / "link")
     print(f"slowest peer per case (s): {worst}")

@@ -23,6 +23,7 @@ import safeio
 from safeio._storage.locking import lock_path_for, make_lock
 from safeio.testing.nfslike import Mount
 from safeio.testing.ranks import RankResult, run_ranks
+from tests._bounds import PATIENT
 from tests._reliability import SCALE, SEED, record, scaled
 
 SAVES = scaled(8)  # per job
@@ -138,7 +139,7 @@ def test_without_the_lock_rivals_collide(shared_dir: Path) -> None:
     ]
     for proc in procs:
         proc.start()
-    outcomes = [results.get(timeout=240) for _ in procs]
+    outcomes = [results.get(timeout=PATIENT) for _ in procs]
     for proc in procs:
         proc.join(30)
     saves = sum(done for done, _ in outcomes)
@@ -161,7 +162,7 @@ def _kill_holder(parent: str, kind: str) -> None:
     ready = ctx.Event()
     holder = ctx.Process(target=_hold_lock, args=(lock_path_for(parent, "tok"), kind, ready))
     holder.start()
-    assert ready.wait(30), "the lock holder never got the lock"
+    assert ready.wait(PATIENT), "the lock holder never got the lock"
     os.kill(holder.pid or 0, signal.SIGKILL)
     holder.join(30)
 

@@ -16,7 +16,6 @@ and owned by the test's user.
 from __future__ import annotations
 
 import os
-import shutil
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
@@ -24,6 +23,7 @@ from typing import Any
 
 import pytest
 
+from safeio.testing._cleanup import remove_scratch
 from safeio.testing.nfslike import Mount, fuse_unavailable_reason
 
 __all__ = [
@@ -85,7 +85,7 @@ def nfslike_mount(request: pytest.FixtureRequest) -> Iterator[Mount]:
         ) as mounted:
             yield mounted
     finally:
-        shutil.rmtree(root, ignore_errors=True)
+        remove_scratch(root)  # at any depth (shutil.rmtree recursed: RecursionError in teardown)
 
 
 @pytest.fixture
@@ -102,4 +102,4 @@ def nfslike_clients(request: pytest.FixtureRequest) -> Iterator[tuple[Mount, Mou
         ):
             yield a, b
     finally:
-        shutil.rmtree(root, ignore_errors=True)
+        remove_scratch(root)  # at any depth (shutil.rmtree recursed: RecursionError in teardown)

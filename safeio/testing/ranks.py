@@ -112,14 +112,18 @@ def run_ranks(
     fn: Callable[..., Any],
     world_size: int,
     *args: Any,
-    timeout: float = 120.0,
+    timeout: float = 1200.0,
     env: dict[str, str] | None = None,
     check: bool = True,
 ) -> list[RankResult]:
     """Call ``fn(rank, world_size, *args)`` on ``world_size`` gloo ranks; return one result per rank.
 
     ``fn`` must be importable by module path (a module-level function). With ``check`` (default) any
-    rank's exception or a timeout raises RanksFailed describing every rank.
+    rank's exception or a timeout raises RanksFailed describing every rank. ``timeout`` bounds the whole
+    run, generously by default: it only ends a run that hangs, and a loaded machine (a shared CI runner)
+    must not end one that works. The process group's own timeout (connecting the ranks, a collective, a
+    store request) is ``timeout`` up to 300 s: with 60 s, 8 ranks on a loaded 2-core machine failed to
+    connect ("Gloo connectFullMesh failed ... Connect timeout").
     """
     ctx: Any = mp.get_context(_START_METHOD)
     if _START_METHOD == "forkserver":
@@ -131,7 +135,7 @@ def run_ranks(
     procs = [
         ctx.Process(
             target=_rank_main,
-            args=(fn, rank, world_size, port, args, dict(env or {}), results, min(timeout, 60.0)),
+            args=(fn, rank, world_size, port, args, dict(env or {}), results, min(timeout, 300.0)),
             name=f"safeio-rank-{rank}",
         )
         for rank in range(world_size)

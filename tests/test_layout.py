@@ -69,6 +69,7 @@ def test_public_names_are_pinned() -> None:
         "Group",
         "InvalidOptionError",
         "InvalidTargetError",
+        "InvalidTypeError",
         "LockTimeout",
         "PeerTimeout",
         "PromotionError",

@@ -42,8 +42,14 @@ from safeio._coordination.checkpoint_call import (
     report_synced,
 )
 from safeio._coordination.group import Group, resolve_group
-from safeio._errors import CheckpointError, InvalidOptionError, InvalidTargetError, PeerTimeout
-from safeio._options import SaveOptions
+from safeio._errors import (
+    CheckpointError,
+    InvalidOptionError,
+    InvalidTargetError,
+    InvalidTypeError,
+    PeerTimeout,
+)
+from safeio._options import SaveOptions, flag
 from safeio._promotion import active
 from safeio._promotion.backends import backend_for
 from safeio._promotion.steps import LATEST, MEGATRON_TRACKER, StepNames, StepPromotion, check_step
@@ -121,6 +127,7 @@ class Checkpoints:
     ) -> None:
         backend = backend_for(root)
         _check_keep(keep, root)
+        flag(megatron_tracker, "megatron_tracker", backend.url())
         names = StepNames(name, backend.url())
         self.options = SaveOptions.of(timeout=timeout, durable=durable, lock=lock)
         self._steps = backend.steps(names, self.options, keep=keep, megatron_tracker=megatron_tracker)
@@ -186,6 +193,10 @@ class Checkpoints:
 
     def path_of(self, name: str) -> str:
         """Where the step directory ``name`` is (a path, or a URL on object stores)."""
+        if not isinstance(name, str):
+            raise InvalidTypeError(
+                f"{self.root}: name must be a str, got {type(name).__name__} {name!r}", self.root
+            )
         return self._steps.url(name)
 
     def latest(self, *, unmarked: Callable[[str], bool] | None = None) -> Checkpoint | None:

@@ -32,6 +32,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from safeio._checkpoints.checkpoints import Checkpoint, Checkpoints
+from safeio._errors import UnsupportedSaveError
 from safeio._saves.torch import torch_save
 from safeio.integrations._accelerate_files import is_complete_for
 
@@ -46,11 +47,22 @@ def checkpoints_for(
 ) -> Checkpoints:
     """The ``Checkpoints`` of an accelerator: ``<project_dir>/checkpoints/checkpoint_<N>`` (accelerate's
     own layout), ``keep`` = the project configuration's ``total_limit``."""
-    config = accelerator.project_configuration
+    config = _configuration(accelerator)
     where = root if root is not None else os.path.join(accelerator.project_dir or ".", "checkpoints")
     return Checkpoints(
         where, keep=config.total_limit, name="checkpoint_{step}", timeout=timeout, durable=durable
     )
+
+
+def _configuration(accelerator: Any) -> Any:
+    """The accelerator's project configuration; an UnsupportedSaveError (a TypeError) naming what was
+    passed when it is no ``accelerate.Accelerator`` (an AttributeError from deep inside, before)."""
+    config = getattr(accelerator, "project_configuration", None)
+    if config is None or not callable(getattr(accelerator, "save_state", None)):
+        raise UnsupportedSaveError(
+            f"expected an accelerate.Accelerator, got {type(accelerator).__name__} {accelerator!r}", None
+        )
+    return config
 
 
 class _TorchSavingReplicatedOnce(types.ModuleType):
@@ -92,8 +104,8 @@ def save_state(
 
     ``step`` numbers the checkpoint (default: accelerate's ``save_iteration``). Retention follows the
     project configuration's ``total_limit`` (None: keep all) unless ``ckpts`` was given ``keep``."""
+    config = _configuration(accelerator)
     ckpts = ckpts if ckpts is not None else checkpoints_for(accelerator)
-    config = accelerator.project_configuration
     step = accelerator.save_iteration if step is None else step
     naming = config.automatic_checkpoint_naming
     config.automatic_checkpoint_naming = False  # Checkpoints names, stages and retires the directories
@@ -134,6 +146,7 @@ def load_state(
     ``accelerator.load_state`` reads is there, every rank's ``random_states_<r>.pkl`` and each
     ``torch.save`` archive whole); skipped, with a WARNING naming it, when not. The returned
     ``Checkpoint`` then has ``committed=False``."""
+    _configuration(accelerator)
     ckpts = ckpts if ckpts is not None else checkpoints_for(accelerator)
     found = ckpts.latest(unmarked=lambda path: is_complete_for(accelerator, path))
     if found is not None:

@@ -1,5 +1,5 @@
-"""docs/errors.md's promise, checked: every public function and class of ``safeio`` and
-``safeio.integrations``, given bad input (a path of the wrong type, an empty one, one with a NUL byte,
+"""docs/errors.md's promise, checked: every public function and class of ``safeio``,
+``safeio.integrations`` and ``safeio.cli`` (``main``), given bad input (a path of the wrong type, an empty one, one with a NUL byte,
 one under a file; an option of the wrong type or value), raises a ``safeio.SafeIOError`` subclass that
 names what was wrong (the path, or the argument), and keeps the builtin Python would have raised (issue 36:
 ``SafeCheckpointIO`` raised a bare ``TypeError``; a path that was None a bare ``TypeError`` everywhere).
@@ -18,17 +18,19 @@ from typing import Any
 import pytest
 
 import safeio
+from safeio import cli as safeio_cli
 from safeio.integrations import accelerate as safeio_accelerate
 from safeio.integrations import lightning as safeio_lightning
 from safeio.integrations import transformers as safeio_transformers
 
-INTEGRATIONS = (safeio_transformers, safeio_accelerate, safeio_lightning)
+PUBLIC_MODULES = (safeio_transformers, safeio_accelerate, safeio_lightning, safeio_cli)
 
 # Public names that take no input a caller can get wrong, with the reason.
 EXEMPT = {
     "Checkpoint": "a value safeio returns (latest(), at()), not built by callers",
     "Stage": "a value safeio yields (with replicated(...) as stage), not built by callers",
     "current_group": "takes no argument",
+    "build_parser": "takes no argument",
     "patch_trainer": "takes no argument",
     "TrainerPatch": "takes no argument",
     "SafeModelCheckpoint": "its arguments are Lightning's ModelCheckpoint's, checked by Lightning with its own "
@@ -260,6 +262,8 @@ OPTIONS: list[tuple[str, str, Callable[[Path], Callable[[], Any]], str]] = [
         lambda tmp: called(type("NotATrainer", (safeio_transformers.CheckpointsTrainerMixin,), {})),
         "NotATrainer",
     ),
+    ("main", "argv='ls /tmp'", lambda tmp: called(safeio_cli.main, "ls /tmp"), "argv"),
+    ("main", "argv=[7]", lambda tmp: called(safeio_cli.main, [7]), "argv"),
     ("checkpoints_for", "accelerator=7", lambda tmp: called(safeio_accelerate.checkpoints_for, 7), "int"),
     ("save_state", "accelerator=7", lambda tmp: called(safeio_accelerate.save_state, 7), "int"),
     ("load_state", "accelerator=7", lambda tmp: called(safeio_accelerate.load_state, 7), "int"),
@@ -288,7 +292,7 @@ OPTIONS: list[tuple[str, str, Callable[[Path], Callable[[], Any]], str]] = [
 
 def public_callables() -> set[str]:
     names = {n for n in safeio.__all__ if n != "__version__" and not _is_error(getattr(safeio, n))}
-    for module in INTEGRATIONS:
+    for module in PUBLIC_MODULES:
         names.update(n for n in module.__all__ if callable(getattr(module, n)))
     return names
 

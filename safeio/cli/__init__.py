@@ -12,7 +12,7 @@ import logging
 import sys
 from collections.abc import Sequence
 
-from safeio._errors import SafeIOError
+from safeio._errors import InvalidTypeError, SafeIOError
 from safeio.cli import audit as audit
 from safeio.cli import autopatch as autopatch
 from safeio.cli import demo as demo
@@ -67,6 +67,9 @@ def _where(exc: OSError) -> str:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the command line ``argv`` (default ``sys.argv[1:]``) and return its exit code."""
+    if argv is not None and (isinstance(argv, (str, bytes)) or not all(isinstance(a, str) for a in argv)):
+        # A whole command line as one string was split into letters: "invalid choice: 'l'".
+        raise InvalidTypeError(f"argv must be a list of str, got {type(argv).__name__} {argv!r}", None)
     parser = build_parser()
     try:
         args = parser.parse_args(argv)

@@ -8,6 +8,7 @@ from typing import Any
 
 from safeio._promotion.backends import backend_for
 from safeio._storage import digests, manifest
+from safeio._storage.readers import TargetReader
 from safeio.cli._common import EXIT_OK, EXIT_PROBLEMS, not_a_directory, print_json
 from safeio.cli._entries import framework_marker
 from safeio.cli._states import State, fix
@@ -85,7 +86,9 @@ def _fix(state: State, shown: str) -> str | None:
     return f"{again}: the next safeio save of {shown} replaces it (a checkpoint step: move it away first)"
 
 
-def _state(path: str, reader: Any, record: dict[str, Any] | None, problems: list[str]) -> tuple[State, str]:
+def _state(
+    path: str, reader: TargetReader, record: dict[str, Any] | None, problems: list[str]
+) -> tuple[State, str]:
     """The target's state in the words ``ls`` and ``gc`` use, and its detail."""
     if record is not None:
         if problems:

@@ -27,6 +27,7 @@ from safeio._diagnostics.collectives import writer_only_section
 from safeio._errors import (
     CheckpointError,
     CollectiveInWriterSection,
+    CollectiveMismatch,
     InvalidOptionError,
     InvalidTargetError,
     InvalidTypeError,
@@ -56,6 +57,7 @@ __all__ = [
     "CheckpointError",
     "Checkpoints",
     "CollectiveInWriterSection",
+    "CollectiveMismatch",
     "Group",
     "InvalidOptionError",
     "InvalidTargetError",

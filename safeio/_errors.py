@@ -9,6 +9,8 @@
     ├── LockTimeout                  (TimeoutError)     the promotion lock was not acquired in time
     ├── PeerTimeout                  (TimeoutError)     a rank waited past its timeout for the writer
     ├── RemoteWriterError                               raised on non-writers when the writer failed
+    ├── CheckpointError              (RuntimeError)     a checkpoint was not committed
+    ├── CollectiveMismatch           (RuntimeError)     ranks made different collective calls on a root
     ├── CollectiveInWriterSection    (RuntimeError)     a collective inside a writer-only section
     ├── UnsupportedSaveError         (TypeError)        an object or option safeio cannot save safely
     └── UnsafeWriteError                                the audit sanitizer found an unsafe write
@@ -92,7 +94,11 @@ class LockTimeout(SafeIOError, TimeoutError):
 
 
 class PeerTimeout(SafeIOError, TimeoutError):
-    """A rank waited past its timeout for another rank (``waited_for``), last seen in ``phase``."""
+    """A rank waited past its timeout for another rank (``waited_for``), which was last reported in
+    ``phase``. In a checkpoint's calls also: ``step`` (None for ``latest()``), ``elapsed`` (seconds this
+    rank waited) and, for a rank that gave up inside ``save``, ``outcome``: ``"not committed"`` (the
+    writer sees this rank gave up and commits nothing) or ``"unknown"`` (the writer had already begun the
+    commit's rename: ``latest()`` tells whether the step is committed)."""
 
     def __init__(
         self,
@@ -101,10 +107,16 @@ class PeerTimeout(SafeIOError, TimeoutError):
         *,
         waited_for: int | None = None,
         phase: str | None = None,
+        step: int | None = None,
+        elapsed: float | None = None,
+        outcome: str | None = None,
     ) -> None:
         super().__init__(message, path)
         self.waited_for = waited_for
         self.phase = phase
+        self.step = step
+        self.elapsed = elapsed
+        self.outcome = outcome
 
 
 class RemoteWriterError(SafeIOError):
@@ -140,6 +152,26 @@ class CheckpointError(SafeIOError, RuntimeError):
         super().__init__(message, path)
         self.failed = dict(failed or {})
         self.missing = list(missing or [])
+
+
+class CollectiveMismatch(SafeIOError, RuntimeError):
+    """The ranks of a group made different collective calls of one checkpoint root at the same place
+    in their sequence of calls: a rank skipped a ``save``/``latest()``/``at()``/``steps()`` the others
+    made, or made one more. ``call`` is that place (1, 2, ...; None if unknown), ``calls`` what each rank
+    named made there (rank -> "save of step 5", "latest()"). Raised on every rank of that call at once,
+    where each would otherwise wait out its timeout for keys the others never set."""
+
+    def __init__(
+        self,
+        message: str,
+        path: str | os.PathLike[str] | None = None,
+        *,
+        call: int | None = None,
+        calls: dict[int, str] | None = None,
+    ) -> None:
+        super().__init__(message, path)
+        self.call = call
+        self.calls = dict(calls or {})
 
 
 class CollectiveInWriterSection(SafeIOError, RuntimeError):

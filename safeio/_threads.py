@@ -12,25 +12,45 @@ from __future__ import annotations
 
 import atexit
 import logging
+import math
 import threading
 from collections.abc import Callable
+from dataclasses import dataclass
 
+from safeio._stalls import Cadence, seconds
 from safeio._who import who
 
 __all__ = ["start_background"]
 
 logger = logging.getLogger("safeio")
 
+
+@dataclass(frozen=True)
+class _Started:
+    thread: threading.Thread
+    bound: float  # how long the exit waits for it, in seconds
+    describe: Callable[[], str] | None  # where it is, for the lines of a long wait at exit
+    warn_after: float
+
+
 _lock = threading.Lock()
-_started: list[tuple[threading.Thread, float]] = []  # (thread, its bound at exit, in seconds)
+_started: list[_Started] = []
 
 
-def start_background(target: Callable[[], None], *, name: str, bound: float) -> threading.Thread:
-    """Start ``target`` on a thread the process waits for at exit, ``bound`` seconds at most."""
+def start_background(
+    target: Callable[[], None],
+    *,
+    name: str,
+    bound: float,
+    describe: Callable[[], str] | None = None,
+    warn_after: float = math.inf,
+) -> threading.Thread:
+    """Start ``target`` on a thread the process waits for at exit, ``bound`` seconds at most; while the
+    exit waits longer than ``warn_after``, it says so (with ``describe()``, where the thread is)."""
     thread = threading.Thread(target=target, name=name, daemon=True)
     with _lock:
-        _started[:] = [(t, b) for t, b in _started if t.is_alive()]
-        _started.append((thread, bound))
+        _started[:] = [s for s in _started if s.thread.is_alive()]
+        _started.append(_Started(thread, bound, describe, warn_after))
     thread.start()
     return thread
 
@@ -41,10 +61,24 @@ def finish_at_exit() -> None:
     imported, so it runs after the handlers of what is imported later (atexit runs them last-in first-out)
     and before logging's own shutdown."""
     with _lock:
-        running = [(t, b) for t, b in _started if t.is_alive()]
+        running = [s for s in _started if s.thread.is_alive()]
         _started.clear()
-    for thread, bound in running:
-        thread.join(bound)
+    for started in running:
+        thread, bound = started.thread, started.bound
+        cadence = Cadence(started.warn_after)
+        while thread.is_alive() and cadence.elapsed() < bound:
+            thread.join(min(cadence.due_in(), bound - cadence.elapsed()))
+            elapsed = cadence.take() if thread.is_alive() else None
+            if elapsed is not None:
+                where = started.describe() if started.describe is not None else "running"
+                logger.warning(
+                    "%s: exiting: still waiting after %s s (at most %g s) for %r: %s",
+                    who(),
+                    seconds(elapsed),
+                    bound,
+                    thread.name,
+                    where,
+                )
         if thread.is_alive():
             logger.warning(
                 "%s: exiting with %r still running after its bound (%g s): left unfinished",

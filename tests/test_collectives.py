@@ -263,4 +263,5 @@ def test_the_watchdog_names_a_collective_that_escaped_the_section(shared_dir: Pa
     assert "bound_barrier(group=group)" in first  # the writer's stack, down to the call
     assert writer["error"] != "CollectiveInWriterSection"  # the section's own check did not see it
     assert results[1].value["error"] == "RemoteWriterError", results[1].value  # the peer hears of the failure
-    assert results[1].value["warnings"] == []  # peers run no watchdog
+    # The peer's lines name the writer it waits for; it has no stall of its own to tell.
+    assert all("still waiting after" in m for m in results[1].value["warnings"]), results[1].value

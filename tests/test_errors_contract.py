@@ -222,6 +222,8 @@ OPTIONS: list[tuple[str, str, Callable[[Path], Callable[[], Any]], str]] = [
             ("durable", "yes"),
             ("lock", "bogus"),
             ("megatron_tracker", "yes"),
+            ("pointer", "yes"),
+            ("warn_after", -1),
         ]
     ],
     (
@@ -232,6 +234,12 @@ OPTIONS: list[tuple[str, str, Callable[[Path], Callable[[], Any]], str]] = [
     ),
     ("Checkpoints", "save('x')", lambda tmp: called(lambda: safeio.Checkpoints(tmp).save("x")), "step"),
     ("Checkpoints", "save(-1)", lambda tmp: called(lambda: safeio.Checkpoints(tmp).save(-1)), "step"),
+    (
+        "Checkpoints",
+        "save(1, adopt='yes')",
+        lambda tmp: called(lambda: safeio.Checkpoints(tmp).save(1, adopt="yes")),
+        "adopt",
+    ),
     (
         "Checkpoints",
         "at(7), not committed",

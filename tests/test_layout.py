@@ -11,7 +11,7 @@ PACKAGE = Path(safeio.__file__).parent
 
 # Lowest first; a module may import only from its own layer or the ones before it.
 LAYERS: list[tuple[str, ...]] = [
-    ("safeio._errors", "safeio._who", "safeio._threads"),
+    ("safeio._errors", "safeio._who", "safeio._stalls", "safeio._threads"),
     ("safeio._options",),
     ("safeio._boundary",),
     ("safeio._storage",),
@@ -66,6 +66,7 @@ def test_public_names_are_pinned() -> None:
         "CheckpointError",
         "Checkpoints",
         "CollectiveInWriterSection",
+        "CollectiveMismatch",
         "Group",
         "InvalidOptionError",
         "InvalidTargetError",

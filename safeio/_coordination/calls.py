@@ -19,19 +19,28 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import logging
+import math
 import threading
 import time
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 from datetime import timedelta
+from typing import Any
 
 from safeio._boundary import store_timed_out
 from safeio._coordination.group import Group
 from safeio._errors import PeerTimeout
+from safeio._stalls import Cadence
+from safeio._storage.metadata import Damaged, parse_json
 from safeio._who import who
 
 logger = logging.getLogger("safeio")
 
 SLICE = 30.0  # one store.wait at most this long, so a long wait still logs and notices its deadline
+# The largest store value parsed: a durable commit's fsync shares, the largest value safeio sets, name
+# every file of the checkpoint (60,000 names of 60 bytes fit; a larger set is synced by the writer alone).
+# TCPStore itself refuses values over 8 MiB.
+VALUE_CAP = 4 << 20
 
 _counter_lock = threading.Lock()
 _counters: dict[object, int] = {}
@@ -52,6 +61,21 @@ def digest(text: str, size: int) -> str:
 
 class StoreGone(PeerTimeout):
     """The store is unreachable while a rank waits: rank 0 hosts it and may have finished."""
+
+
+class MalformedValue(Exception):
+    """A store value that is not what safeio sets there. Every value is untrusted input: TCPStore has
+    no authentication, so anyone who reaches its port can set any key (JSON nested 100,000 deep made
+    ``json.loads`` raise RecursionError and killed the writer of a checkpoint before it published an
+    outcome). Callers turn it into the SafeIOError of their call, naming the rank the value is from."""
+
+
+def parse_value(raw: bytes, key: str) -> Any:
+    """``raw`` (the value of ``key``) as JSON, within a size cap and a depth bound; else MalformedValue."""
+    parsed = parse_json(raw, f"store value {key}", VALUE_CAP)
+    if isinstance(parsed, Damaged):
+        raise MalformedValue(parsed.reason)
+    return parsed
 
 
 class StoreCall:
@@ -79,6 +103,22 @@ class StoreCall:
         assert store is not None, "set() on a call without a store"
         store.set(self.key(name), value)
 
+    def claim(self, name: str, value: str) -> bytes | None:
+        """Set ``name`` to ``value`` unless it is set; return what it holds then (one round trip,
+        atomic: of several ranks claiming one key, exactly one sets it and every one sees its value).
+        None when the store cannot tell: a custom store without ``compare_set``, or a store that is gone
+        (rank 0, its host, has finished: at the end of a run the ranks after it find none)."""
+        store = self.group.store
+        assert store is not None, "claim() on a call without a store"
+        compare_set = getattr(store, "compare_set", None)
+        if compare_set is None:
+            return None
+        try:
+            return bytes(compare_set(self.key(name), "", value))
+        except Exception as exc:
+            logger.debug("%s: could not claim %s: %s", who(self.group.rank), self.key(name), exc)
+            return None
+
     def get_now(self, name: str) -> bytes | None:
         """The value of ``name`` if it is set; None otherwise, or if the store cannot say. Never waits."""
         store = self.group.store
@@ -95,11 +135,11 @@ class StoreCall:
         deadline: float,
         *,
         expired: Callable[[], BaseException],
-        still_waiting: Callable[[], None] | None = None,
+        progress: Progress | None = None,
     ) -> bytes:
         """The value of ``name`` once it is set. At ``deadline`` raises ``expired()`` (after a last look:
         a value set in time is not lost to a slow read); ``StoreGone`` when the store is unreachable.
-        ``still_waiting`` is called after each slice that expired without the key."""
+        ``progress`` says, on its cadence, that the rank still waits (see ``Progress``)."""
         store = self.group.store
         assert store is not None, "wait() on a call without a store"
         key = self.key(name)
@@ -111,7 +151,7 @@ class StoreCall:
                     return late
                 raise expired()
             try:
-                store.wait([key], timedelta(seconds=min(SLICE, remaining)))
+                store.wait([key], timedelta(seconds=max(0.01, min(SLICE, remaining, _due_in(progress)))))
                 return bytes(store.get(key))
             except Exception as exc:
                 if not store_timed_out(exc):
@@ -121,8 +161,8 @@ class StoreCall:
                         self.path,
                         waited_for=self.group.writer,
                     ) from exc
-                if still_waiting is not None and time.monotonic() < deadline:
-                    still_waiting()
+            if progress is not None and time.monotonic() < deadline:
+                progress.after_slice()
 
     def acknowledge(self, names: Iterable[str], readers: int) -> bool:
         """One of ``readers`` has read the call: the last one deletes ``names`` and the acks (best
@@ -161,19 +201,40 @@ def poll_until(
     deadline: float,
     *,
     expired: Callable[[], BaseException],
-    still_waiting: Callable[[], None] | None = None,
+    progress: Progress | None = None,
 ) -> None:
     """Return once ``visible()`` is true; raise ``expired()`` at the deadline. The one bounded poll of
     safeio, with backoff: a filesystem (an NFS client's attribute cache, an object store's listing) offers
-    nothing to block on until it shows what another rank did. ``still_waiting`` is called every
-    ``SLICE`` seconds, as a store wait's is."""
-    pause, next_log = 0.02, time.monotonic() + SLICE
+    nothing to block on until it shows what another rank did. ``progress`` as a store wait's."""
+    pause = 0.02
     while not visible():
         now = time.monotonic()
         if now >= deadline:
             raise expired()
-        if still_waiting is not None and now >= next_log:
-            next_log += SLICE
-            still_waiting()
+        if progress is not None:
+            progress.after_slice()
         time.sleep(min(pause, deadline - now))
         pause = min(pause * 2, 0.5)
+
+
+@dataclass
+class Progress:
+    """What a waiting rank says while it waits: ``tell(elapsed)`` on the cadence every stall line of
+    safeio follows (``safeio._stalls``: after ``warn_after``, then each time the wait has doubled), whom
+    it waits for and what that rank last reported. ``check()``, between slices, may end the wait with an
+    error (the rank waited for has left the call without answering)."""
+
+    cadence: Cadence
+    tell: Callable[[float], None]
+    check: Callable[[], None] | None = None
+
+    def after_slice(self) -> None:
+        elapsed = self.cadence.take()
+        if elapsed is not None:
+            self.tell(elapsed)
+        if self.check is not None:
+            self.check()
+
+
+def _due_in(progress: Progress | None) -> float:
+    return progress.cadence.due_in() if progress is not None else math.inf

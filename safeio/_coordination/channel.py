@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import math
 import os
 import threading
 import time
@@ -21,9 +22,19 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from safeio._coordination.calls import StoreCall, StoreGone, digest, next_number, poll_until
+from safeio._coordination.calls import (
+    MalformedValue,
+    Progress,
+    StoreCall,
+    StoreGone,
+    digest,
+    next_number,
+    parse_value,
+    poll_until,
+)
 from safeio._coordination.group import Group, job_id
 from safeio._errors import PeerTimeout, RemoteWriterError
+from safeio._stalls import Cadence, seconds
 from safeio._who import who
 
 logger = logging.getLogger("safeio")
@@ -80,8 +91,30 @@ class Outcome:
         return json.dumps(asdict(self)).encode()
 
     @classmethod
-    def decode(cls, raw: bytes) -> Outcome:
-        return cls(**json.loads(raw))
+    def decode(cls, raw: bytes, key: str, target: str, writer_rank: int) -> Outcome:
+        """The outcome in ``raw`` (the value of ``key``: input); a failure naming the writer's value as
+        malformed when it is not one."""
+        try:
+            record: Any = parse_value(raw, key)
+        except MalformedValue as exc:
+            record = {"malformed": str(exc)}
+        return cls.from_record(record, target, writer_rank)
+
+    @classmethod
+    def from_record(cls, record: Any, target: str, writer_rank: int) -> Outcome:
+        """``record`` (parsed from the store: input) as an Outcome, checked field by field; a failure
+        saying the value is malformed when it is not one (``raise_if_failed`` raises it)."""
+        problem = _outcome_problem(record)
+        if problem is None:
+            return cls(**record)
+        return cls(
+            False,
+            target,
+            writer_rank,
+            "MalformedValue",
+            f"its outcome in the store is malformed ({problem}): whether the save succeeded is unknown "
+            f"here; `safeio verify {target}` tells whether the target is whole",
+        )
 
     @classmethod
     def failure(cls, target: str, writer_rank: int, error: BaseException) -> Outcome:
@@ -100,8 +133,51 @@ class Outcome:
         )
 
 
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _optional(check: Callable[[object], bool]) -> Callable[[object], bool]:
+    return lambda value: value is None or check(value)
+
+
+def _is_version(value: object) -> bool:
+    return isinstance(value, list) and len(value) <= 8 and all(_is_int(n) for n in value)
+
+
+# What each field of an outcome heard from the store must be (input: TCPStore has no authentication).
+_OUTCOME_FIELDS: dict[str, Callable[[object], bool]] = {
+    "ok": lambda value: isinstance(value, bool),
+    "target": lambda value: isinstance(value, str),
+    "writer_rank": _is_int,
+    "error_type": _optional(lambda value: isinstance(value, str)),
+    "error_message": _optional(lambda value: isinstance(value, str)),
+    "value": lambda value: True,  # the save's return value: any JSON (decode_value keeps it as it is)
+    "version": _optional(_is_version),
+    "replaced": _optional(_is_version),
+}
+
+
+def _outcome_problem(record: Any) -> str | None:
+    """What is wrong with an outcome heard from the store, or None."""
+    if not isinstance(record, dict):
+        return f"not a mapping but a {type(record).__name__}"
+    if set(record) == {"malformed"}:
+        return str(record["malformed"])[:2000]
+    unknown = sorted(str(name)[:40] for name in set(record) - set(_OUTCOME_FIELDS))
+    if unknown:
+        return f"unknown fields {unknown[:5]}"
+    for name in ("ok", "target", "writer_rank"):
+        if name not in record:
+            return f"no {name}"
+    wrong = [name for name, valid in _OUTCOME_FIELDS.items() if name in record and not valid(record[name])]
+    return f"{', '.join(wrong)} of the wrong type" if wrong else None
+
+
 class Channel:
     """One replicated save's call in the group's store: its outcome, the writer's phase, the acks."""
+
+    waiting = False  # the watchdog's PhaseSource: the writer never waits for its peers
 
     def __init__(self, group: Group, target_url: str, identity: str, seq: int) -> None:
         self.group = group
@@ -206,9 +282,15 @@ class Channel:
     # -- non-writer side ---------------------------------------------------------------------------
 
     def wait(
-        self, timeout: float, landed: Callable[[], bool] | None, result: Callable[[], Any] | None = None
+        self,
+        timeout: float,
+        landed: Callable[[], bool] | None,
+        result: Callable[[], Any] | None = None,
+        *,
+        warn_after: float = math.inf,
     ) -> Outcome:
-        """Wait for the writer's outcome for at most ``timeout`` seconds.
+        """Wait for the writer's outcome for at most ``timeout`` seconds; after ``warn_after`` seconds
+        (then each time the wait has doubled) a WARNING says what the writer was last doing.
 
         ``landed`` checks the filesystem for this save's promoted result; it is used when there is no
         store or it becomes unreachable, and then ``result`` reads the writer's recorded return value.
@@ -224,13 +306,13 @@ class Channel:
                 return True
 
             landed = landed_with_result
-        start = time.monotonic()
-        deadline = start + timeout
+        cadence = Cadence(warn_after)
+        deadline = cadence.start + timeout
         if self.hears_through_store:
-            outcome = self._wait_store(deadline, start)
+            outcome = self._wait_store(deadline, cadence)
             if outcome is not None:
                 return outcome
-        return self._wait_filesystem(landed, deadline, start)
+        return self._wait_filesystem(landed, deadline, cadence)
 
     def wait_visible(self, landed: Callable[[], bool], deadline: float) -> None:
         """After a successful outcome: wait (bounded) until the promoted result is visible to this rank."""
@@ -248,16 +330,23 @@ class Channel:
 
         poll_until(landed, deadline, expired=expired)
 
-    def _wait_store(self, deadline: float, start: float) -> Outcome | None:
-        def still_waiting() -> None:
-            logger.info("%s: still waiting: %s", who(self.group.rank), self._writer_status())
+    def _wait_store(self, deadline: float, cadence: Cadence) -> Outcome | None:
+        def still_waiting(elapsed: float) -> None:
+            logger.warning(
+                "%s: still waiting after %s s for rank %d to save %s: %s",
+                who(self.group.rank),
+                seconds(elapsed),
+                self.group.writer,
+                self.target_url,
+                self._writer_status(),
+            )
 
         try:
             raw = self.call.wait(
                 "",
                 deadline,
-                expired=lambda: self._timeout(time.monotonic() - start),
-                still_waiting=still_waiting,
+                expired=lambda: self._timeout(cadence.elapsed()),
+                progress=Progress(cadence, still_waiting),
             )
         except StoreGone as gone:
             # Expected at the end of a run: rank 0 hosts the TCPStore and may already have left.
@@ -269,7 +358,7 @@ class Channel:
             )
             return None
         self._acknowledge()
-        return Outcome.decode(raw)
+        return Outcome.decode(raw, self.key, self.target_url, self.group.writer)
 
     def _acknowledge(self) -> None:
         """The last peer to read the outcome deletes this call's keys, and the target's ``last`` record:
@@ -279,27 +368,37 @@ class Channel:
         if self.call.acknowledge(("", "phase"), self.group.world_size - 1):
             self.last.delete(("",))
 
-    def _wait_filesystem(self, landed: Callable[[], bool] | None, deadline: float, start: float) -> Outcome:
-        def still_waiting() -> None:
-            logger.info(
-                "%s: still waiting for %s to appear on the filesystem", who(self.group.rank), self.target_url
+    def _wait_filesystem(
+        self, landed: Callable[[], bool] | None, deadline: float, cadence: Cadence
+    ) -> Outcome:
+        def still_waiting(elapsed: float) -> None:
+            logger.warning(
+                "%s: still waiting after %s s for rank %d's save of %s to appear on the filesystem "
+                "(this group has no store to hear it through)",
+                who(self.group.rank),
+                seconds(elapsed),
+                self.group.writer,
+                self.target_url,
             )
 
         poll_until(
             landed if landed is not None else lambda: False,
             deadline,
-            expired=lambda: self._timeout(time.monotonic() - start),
-            still_waiting=still_waiting,
+            expired=lambda: self._timeout(cadence.elapsed()),
+            progress=Progress(cadence, still_waiting),
         )
         return Outcome(True, self.target_url, self.group.writer, value=self._landed_value)
 
     def _writer_record(self) -> dict[str, Any] | None:
+        """The writer's phase record, if it is one (input: a malformed one is as good as none here, in a
+        progress line or a timeout's message)."""
         raw = self.call.get_now("phase")
         if raw is None:
             return None
-        with contextlib.suppress(ValueError):
-            record = json.loads(raw)
-            return record if isinstance(record, dict) else None
+        with contextlib.suppress(MalformedValue):
+            record = parse_value(raw, self.call.key("phase"))
+            if isinstance(record, dict) and _is_phase_record(record):
+                return record
         return None
 
     def _writer_status(self) -> str:
@@ -311,9 +410,10 @@ class Channel:
                 f"{self._last_published()}"
             )
         now = time.time()
+        host, pid, phase = (str(record.get(name))[:100] for name in ("host", "pid", "phase"))  # input
         return (
-            f"rank {writer} ({record.get('host')} pid {record.get('pid')}) has been in "
-            f"{record.get('phase')} of {self.target_url} for {now - float(record.get('since', now)):.0f} s "
+            f"rank {writer} ({host} pid {pid}) has been in {phase} of {self.target_url} for "
+            f"{now - float(record.get('since', now)):.0f} s "
             f"(last heard {now - float(record.get('heard', now)):.0f} s ago)"
         )
 
@@ -323,9 +423,10 @@ class Channel:
     def _last_published(self) -> str:
         raw = self.last.get_now("")
         last = None
-        with contextlib.suppress(ValueError, TypeError):
-            last = json.loads(raw) if raw is not None else None
-        if not isinstance(last, dict):
+        with contextlib.suppress(MalformedValue):
+            last = parse_value(raw, self.last.key()) if raw is not None else None
+        known = isinstance(last, dict) and _is_int(last.get("seq")) and isinstance(last.get("identity"), str)
+        if not (known and isinstance(last, dict)):
             return (
                 f"no save of {self.target_url} by it is on record (none yet, or every peer has heard the "
                 "last one)"
@@ -347,3 +448,11 @@ class Channel:
             waited_for=self.group.writer,
             phase=phase,
         )
+
+
+def _is_phase_record(record: dict[str, Any]) -> bool:
+    """Whether a phase record heard from the store has the types a progress line formats."""
+    times = (record.get("since", 0), record.get("heard", 0))
+    return isinstance(record.get("phase"), str) and all(
+        isinstance(t, (int, float)) and not isinstance(t, bool) and math.isfinite(t) for t in times
+    )

@@ -1,29 +1,47 @@
 """A checkpoint's calls in the store: every rank reports, the writer decides, everyone hears it, bounded.
 
 Keys live under ``safeio/ckpt/<root digest>/<n>``, where ``n`` numbers this process's collective calls on
-the root (``save`` and ``latest()`` are collective: every rank makes them, in the same order). The writer
-never blocks forever: it waits for the other ranks' reports at most until the deadline and then names the
-ranks that never reported. The keys go once every other rank has read the outcome.
+the root (``save`` and ``latest()`` are collective: every rank of a group of several makes them, in the
+same order). A call of a group of one process (``get_last_checkpoint``'s own reading of a directory) is
+not collective and takes no number: ranks that make different numbers of such readings still agree on
+the numbers of the calls they make together. The first rank to enter call ``n`` records what it is
+("save of step 5", "latest()"); every other rank compares on entry, in the same round trip, and a rank
+that skipped a call or made one more is named at once on every rank of that call (``CollectiveMismatch``)
+instead of each waiting out its timeout for keys the others never set. The writer never blocks forever:
+it waits for the other ranks' reports at most until the deadline and then names the ranks that never
+reported. The keys go once every other rank has read the outcome.
 
-Saves nested in the body that only the writer keeps (a tokenizer's ``save_pretrained``) are made by the
-writer alone: it publishes each one's result under the call (``result/<identity>/<n>``), the other ranks
-wait for it instead of serialising the object into scratch that is thrown away (``WriterResults``).
+Every value read from the store is untrusted input (``parse_value``): a value that is not what safeio
+sets is "malformed", an error naming the rank it is from, and the writer still decides an outcome.
+
+What the ranks share inside a save (the writer's results of the body's replicated saves, the commit's
+fsyncs) is in ``checkpoint_shares``.
 """
 
 from __future__ import annotations
 
 import json
-import time
-from dataclasses import asdict
+import logging
+import math
 from typing import Any
 
-from safeio._coordination.calls import SLICE, StoreCall, StoreGone, digest, next_number
-from safeio._coordination.channel import Outcome, decode_value, encode_value
+from safeio._coordination.calls import (
+    MalformedValue,
+    Progress,
+    StoreCall,
+    digest,
+    next_number,
+    parse_value,
+)
+from safeio._coordination.checkpoint_status import RankStatus, Status, advice, read_status
 from safeio._coordination.group import Group
-from safeio._errors import CheckpointError, PeerTimeout
+from safeio._errors import CheckpointError, CollectiveMismatch, PeerTimeout
+from safeio._stalls import Cadence, seconds
+from safeio._who import who
 
-# How long the writer waits for the other ranks' fsyncs beyond four times its own share's (FsyncShares).
-_SYNC_GRACE = 30.0
+logger = logging.getLogger("safeio")
+
+_TEXT_CAP = 2000  # characters of a rank's error message kept (a value is input: it may be huge)
 
 
 class DecidedFirst(Exception):
@@ -34,8 +52,24 @@ class DecidedFirst(Exception):
         self.outcome = outcome
 
 
+class LeftTheCall(Exception):
+    """The rank waited for is in a later call of the root, and never set the key this rank waits for."""
+
+    def __init__(self, rank: int, where: str) -> None:
+        super().__init__(rank, where)
+        self.rank = rank
+        self.where = where
+
+
+def text(value: object) -> str:
+    """A rank's message heard through the store, bounded for our own messages."""
+    message = value if isinstance(value, str) else repr(value)
+    return message if len(message) <= _TEXT_CAP else message[:_TEXT_CAP] + "..."
+
+
 class CheckpointCall:
-    """One collective call (``what``: "save of step 5", "latest()") on the checkpoint root ``root``."""
+    """One collective call (``what``: "save of step 5", "latest()") on the checkpoint root ``root``.
+    Made by ``enter``."""
 
     def __init__(
         self,
@@ -43,22 +77,58 @@ class CheckpointCall:
         root: str,
         what: str,
         *,
-        call: StoreCall | None = None,
+        number: int,
+        call: StoreCall,
+        status: RankStatus,
+        step: int | None = None,
+        warn_after: float = math.inf,
         published: list[str] | None = None,
         announced_fsyncs: bool = False,
     ) -> None:
         self.group = group
         self.root = root
         self.what = what
+        self.number = number  # this call's place among the root's collective calls (0: not collective)
+        self.step = step  # the step a save is of (None: latest(), steps())
+        self.warn_after = warn_after  # when a wait starts saying so (safeio._stalls)
+        self.status = status  # this rank's published place in the call
         # Keys the writer set for the body's saves (NestedResults): deleted with the call's own keys.
         self.published: list[str] = published if published is not None else []
         # Whether the writer told the ranks to wait for their fsyncs (FsyncShares), and has handed them out.
         self.announced_fsyncs = announced_fsyncs
         self.handed_out = False
-        if call is None:
-            prefix = f"safeio/ckpt/{digest(root, 16)}/{next_number(('checkpoints', root))}"
-            call = StoreCall(group, prefix, root)
         self._call = call
+
+    @classmethod
+    def enter(
+        cls,
+        group: Group,
+        root: str,
+        what: str,
+        *,
+        phase: str,
+        step: int | None = None,
+        warn_after: float = math.inf,
+    ) -> CheckpointCall:
+        """This rank's next collective call on ``root``, in ``phase``, checked against what the rank
+        that entered it first makes there (``CollectiveMismatch`` on a difference)."""
+        # Only a group of several ranks makes collective calls: a process-alone reading took a number
+        # too, and ranks that made different numbers of them (a script's `get_last_checkpoint(out) if
+        # os.path.isdir(out) else None`) waited under different numbers at the next save, each for its
+        # timeout (issue 32: a Ray Train job stuck at its first checkpoint).
+        number = next_number(("checkpoints", root)) if group.world_size > 1 else 0
+        call = cls(
+            group,
+            root,
+            what,
+            number=number,
+            call=StoreCall(group, _prefix(root, number), root),
+            status=RankStatus(group, root, number, what, phase),
+            step=step,
+            warn_after=warn_after,
+        )
+        call._check_entry()
+        return call
 
     def on_group(self, group: Group) -> CheckpointCall:
         """The same call through another connection to the store (the async commit's thread)."""
@@ -66,7 +136,11 @@ class CheckpointCall:
             group,
             self.root,
             self.what,
+            number=self.number,
             call=self._call.on_group(group),
+            status=self.status.reconnect(group),
+            step=self.step,
+            warn_after=self.warn_after,
             published=self.published,
             announced_fsyncs=self.announced_fsyncs,
         )
@@ -78,41 +152,230 @@ class CheckpointCall:
     def _set(self, name: str, value: Any) -> None:
         self._call.set(name, json.dumps(value))
 
+    # -- entering: every rank makes the same call -----------------------------------------------------
+
+    def _check_entry(self) -> None:
+        if not self.shared:
+            return
+        rank = self.group.rank
+        raw = self._call.claim("call", json.dumps({"rank": rank, "what": self.what}))
+        if raw is None:
+            return  # the store cannot tell (gone: rank 0 finished); the call's waits fall back as before
+        try:
+            first = parse_value(raw, self._call.key("call"))
+        except MalformedValue as exc:
+            raise self._diverged({rank: self.what}, f"the record of this call is malformed ({exc})") from None
+        if isinstance(first, dict) and first.get("what") == self.what:
+            return
+        theirs = _entrant(first)
+        if theirs is None:
+            raise self._diverged({rank: self.what}, "the record of this call is malformed")
+        raise self._diverged({rank: self.what, theirs[0]: theirs[1]}, "")
+
+    def _diverged(self, calls: dict[int, str], problem: str) -> CollectiveMismatch:
+        """This rank found that the ranks' calls differ: every key a rank of this call may be waiting
+        for is set to say so (they wake at once), and the error to raise here."""
+        record = {
+            "call": self.number,
+            "calls": {str(r): w for r, w in calls.items()},
+            "found_by": self.group.rank,
+            "problem": problem,
+        }
+        names = ["announce", "outcome", "fsync"]
+        for r in range(self.group.world_size):
+            if r != self.group.writer:
+                names += [f"rank/{r}", f"synced/{r}"]
+        value = json.dumps({"diverged": record})
+        for name in names:
+            self._call.set(name, value)
+        return self._mismatch(record)
+
+    def _mismatch(self, record: object) -> CollectiveMismatch:
+        """The error every rank of a diverged call raises (``record`` as heard: input)."""
+        rank = self.group.rank
+        record = record if isinstance(record, dict) else {}
+        calls: dict[int, str] = {}
+        raw_calls = record.get("calls")
+        if isinstance(raw_calls, dict):
+            for r, what in list(raw_calls.items())[:8]:
+                if isinstance(r, str) and r.isdigit() and isinstance(what, str):
+                    calls[int(r)] = text(what)
+        found_by = record.get("found_by")
+        problem = record.get("problem")
+        parts = [f"rank {r} is in {w}" for r, w in sorted(calls.items())]
+        detail = " while ".join(parts) if len(parts) > 1 else (parts[0] if parts else "")
+        if isinstance(problem, str) and problem:
+            detail = f"{detail} ({text(problem)})" if detail else text(problem)
+        found = f"; found by rank {found_by}" if isinstance(found_by, int) and found_by != rank else ""
+        return CollectiveMismatch(
+            f"rank {rank}: the ranks' collective calls on {self.root} differ at call {self.number}: "
+            f"{detail or 'what each rank makes there is unknown'}{found}. save(), latest(), at() and "
+            "steps() are collective: every rank of the group makes them, in the same order; one rank "
+            "skipped a call or made one more (a reading of one process alone takes "
+            "group=safeio.Group(), as safeio.integrations.transformers.get_last_checkpoint does)",
+            self.root,
+            call=self.number,
+            calls=calls,
+        )
+
+    # -- waiting --------------------------------------------------------------------------------------
+
+    def _parse(self, raw: bytes, name: str) -> Any:
+        """A value of this call as JSON; MalformedValue if it is not; CollectiveMismatch if a rank found
+        that the ranks' calls differ."""
+        value = parse_value(raw, self._call.key(name))
+        if isinstance(value, dict) and "diverged" in value:
+            raise self._mismatch(value["diverged"])
+        return value
+
     def _wait(
-        self, name: str, deadline: float, waiting_for: str, *, slice_seconds: float | None = None
+        self, name: str, deadline: float, waiting_for: str, *, from_rank: int, decided_first: bool = False
     ) -> Any:
-        def expired() -> PeerTimeout:
-            return PeerTimeout(
-                f"rank {self.group.rank}: {waiting_for} did not arrive within the timeout "
-                f"({self.what} of {self.root})",
+        """The value of ``name``, which rank ``from_rank`` sets (``waiting_for`` says what it is, for
+        messages). While it waits, this rank says so on the stall cadence, with what ``from_rank`` last
+        reported; at ``deadline``, a PeerTimeout naming that rank, the phase it was in, the step and the
+        time waited. ``LeftTheCall`` when ``from_rank`` has moved on to a later call without setting it;
+        with ``decided_first``, ``DecidedFirst`` when the writer decided the outcome meanwhile (it then
+        never sets ``name``: it failed before, or needs no answer)."""
+        cadence = Cadence(self.warn_after)
+        rank = self.group.rank
+        told: list[float] = []
+
+        def tell(elapsed: float) -> None:
+            if not told:
+                self.status.publish()  # others see that this rank waits, and for whom
+            told.append(elapsed)
+            status = read_status(self.group, self.root, from_rank)
+            phase = status.phase if status is not None and status.call == self.number else ""
+            logger.warning(
+                "%s: still waiting after %s s for %s (%s of %s): %s. %s",
+                who(rank),
+                seconds(elapsed),
+                waiting_for,
+                self.what,
                 self.root,
-                waited_for=self.group.writer,
+                self._describe(status, from_rank),
+                advice(phase),
+                extra={"safeio_waited_for": from_rank, "safeio_phase": phase, "safeio_elapsed": elapsed},
             )
 
-        if slice_seconds is None:
-            raw = self._call.wait(name, deadline, expired=expired)  # StoreGone: the store's host has left
-        else:
-            raw = self._wait_checking_outcome(name, deadline, expired, slice_seconds)
-        try:
-            return json.loads(raw)
-        except ValueError:
-            return None
-
-    def _wait_checking_outcome(self, name: str, deadline: float, expired: Any, slice_seconds: float) -> bytes:
-        """Wait for ``name`` in slices; between them, raise ``DecidedFirst`` if the writer has decided the
-        call's outcome meanwhile (it then never sets ``name``: it failed before, or needs no answer)."""
-        while True:
-            until = min(deadline, time.monotonic() + slice_seconds)
-            try:
-                return self._call.wait(name, until, expired=expired)
-            except StoreGone:
-                raise
-            except PeerTimeout:
+        def check() -> None:
+            if decided_first:
                 decided = self.outcome_if_decided()
                 if decided is not None:
-                    raise DecidedFirst(decided) from None
-                if until >= deadline:
-                    raise
+                    raise DecidedFirst(decided)
+            status = read_status(self.group, self.root, from_rank)
+            if status is not None and status.call > self.number and self._call.get_now(name) is None:
+                raise LeftTheCall(from_rank, status.describe(self.number))
+
+        def expired() -> PeerTimeout:
+            status = read_status(self.group, self.root, from_rank)
+            elapsed = cadence.elapsed()
+            phase = status.phase if status is not None and status.call == self.number else None
+            return PeerTimeout(
+                f"rank {rank}: waited {elapsed:.0f} s, the bound of this wait, for {waiting_for} "
+                f"({self.what} of {self.root}): {self._describe(status, from_rank)}. "
+                f"{advice(phase or '')}".rstrip(),
+                self.root,
+                waited_for=from_rank,
+                phase=phase,
+                step=self.step,
+                elapsed=elapsed,
+            )
+
+        with self.status.waiting_on(from_rank):
+            # StoreGone: the store's host (rank 0) has left
+            raw = self._call.wait(name, deadline, expired=expired, progress=Progress(cadence, tell, check))
+        return self._parse(raw, name)
+
+    def whereabouts(self, rank: int) -> str:
+        """What rank ``rank`` last reported on this root, for a message (one get)."""
+        return self._describe(read_status(self.group, self.root, rank), rank)
+
+    def _describe(self, status: Status | None, rank: int) -> str:
+        if status is None:
+            return (
+                f"rank {rank} has reported nothing on this root yet (it has not reached a collective call "
+                "of it: still in other code, or it died before)"
+            )
+        return status.describe(self.number)
+
+    # -- agreement when a rank gives up ---------------------------------------------------------------
+
+    def give_up(self, reason: str) -> str:
+        """A rank other than the writer gives up waiting in a save (its bound): the writer must not commit
+        a step a rank has given up on, or the ranks would be told different things. The call's verdict
+        is claimed for "abandon" (one compare_set), unless the writer has claimed it first for its commit:
+        returns "not committed" (the writer sees the verdict at its commit point and abandons the stage),
+        "committing" (the writer was already committing: latest() tells) or "unknown" (the store cannot
+        say: gone, or without compare_set). Every key the writer may be waiting for from this rank is
+        answered too, so that it learns of it at once."""
+        if not self.shared:
+            return "unknown"
+        rank = self.group.rank
+        raw = self._call.claim("verdict", json.dumps({"abandon": rank, "reason": reason}))
+        if raw is None:
+            return "unknown"  # only the filesystem will tell (latest())
+        try:
+            verdict = parse_value(raw, self._call.key("verdict"))
+        except MalformedValue:
+            verdict = None
+        committing = isinstance(verdict, dict) and "commit" in verdict
+        error = f"gave up waiting: {reason}"
+        self._set(f"rank/{rank}", {"ok": False, "error": error})
+        self._set(f"synced/{rank}", {"error": error})
+        return "committing" if committing else "not committed"
+
+    def check_gave_up(self) -> None:
+        """The writer, before the commit's work: CheckpointError if a rank has given up already (one get)."""
+        raw = self._call.get_now("verdict") if self.shared else None
+        if raw is not None:
+            self._refuse_commit(raw)
+
+    def commit_point(self) -> None:
+        """The writer, right before the commit point (the rename, the marker): claims the verdict for the
+        commit. CheckpointError naming the rank that gave up first, if one did: nothing is committed."""
+        if not self.shared:
+            return
+        raw = self._call.claim("verdict", json.dumps({"commit": self.group.rank}))
+        if raw is not None:  # None: a store that cannot tell; no rank can have claimed it either
+            self._refuse_commit(raw)
+
+    def _refuse_commit(self, raw: bytes) -> None:
+        try:
+            verdict = parse_value(raw, self._call.key("verdict"))
+        except MalformedValue as exc:
+            verdict = {"abandon": None, "reason": f"a malformed verdict in the store ({exc})"}
+        if isinstance(verdict, dict) and verdict.get("commit") == self.group.rank:
+            return
+        gave_up = verdict.get("abandon") if isinstance(verdict, dict) else None
+        reason = text(verdict.get("reason")) if isinstance(verdict, dict) else "a verdict that is not one"
+        rank = gave_up if isinstance(gave_up, int) and not isinstance(gave_up, bool) else None
+        raise CheckpointError(
+            f"rank {self.group.rank}: {f'rank {rank}' if rank is not None else 'a rank'} gave up waiting "
+            f"({reason}) before the commit point of {self.what} of {self.root}: the step is not committed, "
+            "as that rank was told",
+            self.root,
+            failed={rank if rank is not None else -1: f"gave up waiting: {reason}"},
+        )
+
+    def _wait_for_writer(
+        self, name: str, deadline: float, waiting_for: str, *, decided_first: bool = False
+    ) -> Any:
+        """``_wait`` for a value the writer sets; its leaving the call without setting it means the ranks'
+        calls differ (``CollectiveMismatch``)."""
+        writer = self.group.writer
+        try:
+            return self._wait(name, deadline, waiting_for, from_rank=writer, decided_first=decided_first)
+        except LeftTheCall as left:
+            raise CollectiveMismatch(
+                f"rank {self.group.rank}: rank {writer} left call {self.number} on {self.root} ({self.what}) "
+                f"without setting {waiting_for}: {left.where}. save(), latest(), at() and steps() are "
+                "collective: every rank of the group makes them, in the same order",
+                self.root,
+                call=self.number,
+                calls={self.group.rank: self.what},
+            ) from None
 
     # -- the writer publishes, the others wait -------------------------------------------------------
 
@@ -123,7 +386,8 @@ class CheckpointCall:
             self._set("announce", value)
 
     def hear_announcement(self, deadline: float) -> Any:
-        return self._wait("announce", deadline, f"rank {self.group.writer}'s stage")
+        """Every other rank: what the writer announced (MalformedValue when it is not what it sets)."""
+        return self._wait_for_writer("announce", deadline, f"rank {self.group.writer}'s stage")
 
     def report(self, value: dict[str, Any]) -> None:
         """Every rank but the writer: how its part went ({"ok": bool, "error": str})."""
@@ -131,7 +395,8 @@ class CheckpointCall:
             self._set(f"rank/{self.group.rank}", value)
 
     def collect(self, deadline: float) -> tuple[dict[int, str], list[int]]:
-        """The writer: every other rank's report, bounded. Returns (failed rank -> error, missing ranks)."""
+        """The writer: every other rank's report, bounded. Returns (failed rank -> error, missing ranks);
+        a report that is not one is that rank's failure ("malformed")."""
         failed: dict[int, str] = {}
         missing: list[int] = []
         if not self.shared:
@@ -140,13 +405,19 @@ class CheckpointCall:
             if rank == self.group.rank:
                 continue
             try:
-                report = self._wait(f"rank/{rank}", deadline, f"rank {rank}'s report")
+                report = self._wait(f"rank/{rank}", deadline, f"rank {rank}'s report", from_rank=rank)
             except PeerTimeout:
                 missing.append(rank)
                 continue
+            except MalformedValue as exc:
+                failed[rank] = f"its report in the store is malformed ({exc})"
+                continue
+            except LeftTheCall as left:
+                failed[rank] = f"left this call without reporting ({left.where})"
+                continue
             if not (isinstance(report, dict) and report.get("ok") is True):
                 error = report.get("error") if isinstance(report, dict) else None
-                failed[rank] = str(error or "failed")
+                failed[rank] = text(error) if error else "failed (a report that is not one)"
         return failed, missing
 
     def decide(self, value: dict[str, Any]) -> None:
@@ -160,27 +431,59 @@ class CheckpointCall:
             self._set("outcome", {**value, "drop": list(self.published)})
 
     def outcome_if_decided(self) -> dict[str, Any] | None:
-        """The writer's outcome if it is already published (never waits)."""
+        """The writer's outcome if it is already published (never waits); None if not, or malformed
+        (the wait for it says so)."""
         raw = self._call.get_now("outcome")
+        if raw is None:
+            return None
         try:
-            value = json.loads(raw) if raw is not None else None
-        except ValueError:
+            value = self._parse(raw, "outcome")
+        except MalformedValue:
             return None
         return value if isinstance(value, dict) else None
 
     def hear_outcome(self, deadline: float) -> dict[str, Any]:
-        value = self._wait("outcome", deadline, f"rank {self.group.writer}'s commit")
+        """Every other rank: the writer's decision (MalformedValue when it is not one). Acknowledged once
+        heard, malformed or not, so that the call's keys go; never when this rank gave up waiting: the
+        call's verdict must outlive it (``give_up``)."""
+        value: Any = None
+        try:
+            value = self._wait_for_writer("outcome", deadline, f"rank {self.group.writer}'s decision")
+        except MalformedValue:
+            self._acknowledge(None)
+            raise
+        self._acknowledge(value)
+        if not isinstance(value, dict) or not isinstance(value.get("ok"), bool):
+            raise MalformedValue(f"the outcome is not one: {text(value)}")
+        return value
+
+    def _acknowledge(self, outcome: Any) -> None:
         ranks = range(self.group.world_size)
         names = [
+            "call",
+            "verdict",
             "announce",
             "outcome",
             "fsync",
             *(f"rank/{r}" for r in ranks),
             *(f"synced/{r}" for r in ranks),
-            *_result_keys(value),
+            *_result_keys(outcome),
         ]
         self._call.acknowledge(names, self.group.world_size - 1)
-        return value if isinstance(value, dict) else {"ok": False, "error": "a malformed outcome"}
+
+
+def _prefix(root: str, number: int) -> str:
+    return f"safeio/ckpt/{digest(root, 16)}/{number}"
+
+
+def _entrant(record: object) -> tuple[int, str] | None:
+    """(rank, what) of a call's record (input), or None if it is not one."""
+    if not isinstance(record, dict):
+        return None
+    rank, what = record.get("rank"), record.get("what")
+    if isinstance(rank, bool) or not isinstance(rank, int) or not isinstance(what, str):
+        return None
+    return rank, text(what)
 
 
 def _result_keys(outcome: Any) -> list[str]:
@@ -191,141 +494,3 @@ def _result_keys(outcome: Any) -> list[str]:
     return [
         name for name in drop if isinstance(name, str) and name.startswith("result/") and ".." not in name
     ]
-
-
-class NestedResults:
-    """The ``safeio._promotion.active.WriterResults`` of one checkpoint's body: saves that only the
-    writer keeps are made by the writer alone, and every other rank gets the writer's return value.
-
-    Before, every rank serialised the object into node-local scratch and deleted it at the end of the
-    checkpoint: 16-30 ms per rank per checkpoint for a tokenizer, a quarter of what safeio added to an
-    async save. Each result is a key under the checkpoint's call; the writer's decision names them, and the
-    last rank to hear it deletes them with the call's own keys (every rank has left its body by then), the
-    results of saves the writer made alone included (a "rank 0 only" guard: nobody reads them)."""
-
-    def __init__(self, call: CheckpointCall, timeout: float) -> None:
-        self._call = call
-        self._timeout = timeout
-        self._numbers: dict[str, int] = {}
-
-    @property
-    def writes(self) -> bool:
-        # Without a store there is no way to hear the writer: every rank saves for itself, as before.
-        return self._call.group.is_writer or not self._call.shared
-
-    def _name(self, identity: str) -> str:
-        number = self._numbers[identity] = self._numbers.get(identity, 0) + 1
-        return f"result/{digest(identity, 12)}/{number}"
-
-    def publish(self, identity: str, value: Any, error: BaseException | None) -> None:
-        name = self._name(identity)
-        if not self._call.shared:
-            return
-        group = self._call.group
-        if error is None:
-            outcome = Outcome(True, self._call.root, group.rank, value=encode_value(value))
-        else:
-            outcome = Outcome.failure(self._call.root, group.rank, error)
-        self._call._set(name, asdict(outcome))
-        self._call.published.append(name)
-
-    def hear(self, identity: str) -> Any:
-        name = self._name(identity)
-        waiting_for = f"rank {self._call.group.writer}'s result of {identity}"
-        deadline = time.monotonic() + self._timeout
-        try:
-            # The writer may have failed before it reached this save: the outcome is looked at between
-            # slices (long ones: each expired store wait logs a c10d warning), so the rank hears of it.
-            raw = self._call._wait(name, deadline, waiting_for, slice_seconds=SLICE)
-        except DecidedFirst:
-            raise CheckpointError(
-                f"rank {self._call.group.rank}: rank {self._call.group.writer} failed {self._call.what} of "
-                f"{self._call.root} before it made the save this rank waits for ({identity})",
-                self._call.root,
-                failed={self._call.group.writer: "failed before the save"},
-            ) from None
-        try:
-            outcome = Outcome(**raw) if isinstance(raw, dict) else None
-        except TypeError:
-            outcome = None
-        if outcome is None:
-            outcome = Outcome(
-                False, self._call.root, self._call.group.writer, "ValueError", "a malformed result"
-            )
-        outcome.raise_if_failed(self._call.group.rank)
-        return decode_value(outcome.value)
-
-
-class FsyncShares:
-    """The ``safeio._promotion.steps.SharedFsyncs`` of one durable commit: the writer hands every rank a
-    share of the stage's files (``fsync``), each rank syncs its share and answers (``synced/<rank>``: the
-    files it could not), all at once; the writer syncs its own share meanwhile, then what is left.
-
-    Shares are made once every rank has reported its body done, from the writer's one walk of the
-    finished stage: a rank cannot sync "the files it wrote" (every rank is the same user, and arbitrary
-    writers leave no record), and a rank that listed the stage itself while others still wrote would
-    miss their files. Any rank's fsync makes a file durable: on one machine the page cache is shared; on
-    NFS a client's close() has already written its data to the server (close-to-open), where a COMMIT
-    from any client makes it stable. Shares are balanced by size (the dirty bytes are what fsync costs).
-    A rank that does not answer in time (four times as long as the writer took for its own share, and at
-    least 30 s) costs only speed: the writer syncs its share itself."""
-
-    def __init__(self, call: CheckpointCall, timeout: float) -> None:
-        self._call = call
-        self._timeout = timeout
-        self._shares: dict[int, list[str]] = {}
-        self._handed_at = 0.0
-
-    def hand_out(self, sizes: dict[str, int]) -> list[str]:
-        group = self._call.group
-        ranks = range(group.world_size)
-        shares: dict[int, list[str]] = {rank: [] for rank in ranks}
-        loads = dict.fromkeys(ranks, 0)
-        # Largest first, each to the rank with the fewest bytes so far.
-        for rel, size in sorted(sizes.items(), key=lambda item: (-item[1], item[0])):
-            rank = min(ranks, key=lambda r: (loads[r], r))
-            shares[rank].append(rel)
-            loads[rank] += max(size, 1)
-        self._shares = shares
-        self._handed_at = time.monotonic()
-        self._call._set("fsync", {str(rank): names for rank, names in shares.items()})
-        self._call.handed_out = True
-        return shares[group.writer]
-
-    def left_over(self) -> list[str]:
-        # Shares are balanced by size, so a rank still syncing long after the writer finished its own is
-        # stuck, or died after its report: rather than hold the commit for the whole timeout, the writer
-        # then syncs that share itself (a second fsync of a file is harmless).
-        now = time.monotonic()
-        deadline = min(self._handed_at + self._timeout, now + max(_SYNC_GRACE, 4 * (now - self._handed_at)))
-        left: list[str] = []
-        for rank, share in sorted(self._shares.items()):
-            if rank == self._call.group.writer or not share:
-                continue
-            try:
-                answer = self._call._wait(f"synced/{rank}", deadline, f"rank {rank}'s fsyncs")
-            except PeerTimeout:
-                left.extend(share)  # never answered: its share is the writer's
-                continue
-            unsynced = answer.get("left") if isinstance(answer, dict) else None
-            if not isinstance(unsynced, list):
-                left.extend(share)
-                continue
-            own = set(share)
-            left.extend(name for name in unsynced if name in own)  # input: only names it was given
-        return left
-
-
-def hear_fsync_share(call: CheckpointCall, deadline: float) -> list[str] | None:
-    """A rank other than the writer, after reporting its body: its share of the stage's files to sync;
-    None when the writer decided the outcome without handing any out (a failure: nothing is committed)."""
-    shares = call._wait("fsync", deadline, f"rank {call.group.writer}'s fsync shares")
-    if not isinstance(shares, dict) or shares.get("none") is True:
-        return None
-    share = shares.get(str(call.group.rank))
-    return [str(name) for name in share] if isinstance(share, list) else []
-
-
-def report_synced(call: CheckpointCall, left: list[str]) -> None:
-    """A rank other than the writer: its share is synced but for ``left``."""
-    call._set(f"synced/{call.group.rank}", {"left": left})

@@ -1,20 +1,24 @@
-"""The writer's watchdog: a phase that lasts too long becomes a WARNING with the writer's stack.
+"""The watchdog: a phase that lasts too long becomes a WARNING, from the rank stuck in it, with its stack.
 
 The job this library exists for sat 35 hours in uninterruptible NFS waits with nothing in its logs. A
 thread in the kernel's ``D`` state cannot be interrupted from Python, so the watchdog never tries to
 stop the save; it makes the stall visible: which rank, host and pid, which phase of which path, for how
-long, and where in Python the writer thread is. Warnings repeat while the phase lasts, each time the
-elapsed time has doubled (at most ``MAX_GAP`` apart), so a long stall is neither silent nor a flood.
+long, what the user can do, and where in Python the watched thread is. Warnings repeat while the phase
+lasts on the cadence of ``safeio._stalls`` (after ``warn_after``, then each time the elapsed time has
+doubled), the one every waiting rank's progress lines follow. A phase that is itself a wait for another
+rank (``source.waiting``) is told by the waiting lines instead, which name the rank waited for.
 
-The watchdog also refreshes the writer's published phase record every few seconds, so that a waiting
-peer's ``PeerTimeout`` can say how long ago the writer process was last heard from: a writer process
-that is alive but stuck keeps being heard; a dead one goes quiet.
+It watches the writer of a replicated save (its ``Channel``) and every rank of a checkpoint's calls
+(its ``RankStatus``), and refreshes their published phase record every few seconds, so that a waiting
+peer can say how long ago the rank it waits for was last heard from: a process that is alive but stuck
+keeps being heard; a dead one goes quiet.
 
 One daemon thread per process serves every watched save (starting a thread per save would cost about
 0.25 ms, half of a whole tokenizer save), and a second one sends the heartbeats (see ``_Monitor``). They
-leave after a minute without work and are started again by the next save (also in a forked child,
-which inherits no threads). At exit they are told to leave at once and joined, briefly (``_EXIT_BOUND``):
-a heartbeat must not be caught inside a store call while the interpreter tears the process down.
+are started by the first save of the process (also in a forked child, which inherits no threads) and
+sleep without waking while nothing is watched. At exit they are told to leave at once and joined,
+briefly (``_EXIT_BOUND``): a heartbeat must not be caught inside a store call while the interpreter tears
+the process down.
 """
 
 from __future__ import annotations
@@ -27,25 +31,24 @@ import queue
 import sys
 import threading
 import time
-import traceback
+from collections.abc import Callable
 from types import FrameType, TracebackType
 from typing import Protocol
 
 from safeio._diagnostics.collectives import active_section, blocked_in_collective
+from safeio._stalls import next_line, thread_stack
 from safeio._who import who
 
 logger = logging.getLogger("safeio")
 
 HEARTBEAT_EVERY = 5.0  # a TCPStore set costs well under a millisecond
-MAX_GAP = 600.0
-_STACK_FRAMES = 40
-_IDLE_TICK = 1.0  # while idle the thread wakes this often, so a new save rarely has to wake it
-_IDLE_EXIT = 60.0
 _EXIT_BOUND = 2.0  # at exit, how long each of the two threads may take to leave (a heartbeat in flight)
 
 
 class PhaseSource(Protocol):
-    """What the watchdog reads (``safeio.channel.Channel`` on the writer)."""
+    """What the watchdog reads (a replicated save's ``Channel`` on its writer; a checkpoint call's
+    ``RankStatus`` on every rank). A source whose ``waiting`` is true is in a wait for another rank:
+    no stall warning then (the wait's own lines name the rank it waits for), heartbeats go on."""
 
     @property
     def phase(self) -> str: ...
@@ -57,7 +60,9 @@ class PhaseSource(Protocol):
 
 
 class Watchdog:
-    """Watches the phases of one save; ``start()`` it on the writer thread, ``stop()`` it after."""
+    """Watches the phases of one save; ``start()`` it on the thread that does the work (its stack is the
+    one told), ``stop()`` it after. ``role`` names that thread's part in messages ("the writer", "this
+    rank"); ``advice(phase)`` says what the user can do about a stall in ``phase``."""
 
     def __init__(
         self,
@@ -66,10 +71,14 @@ class Watchdog:
         *,
         rank: int | None = None,
         heartbeat_every: float | None = None,
+        role: str = "the writer",
+        advice: Callable[[str], str] | None = None,
     ) -> None:
         self.source = source
         self.warn_after = warn_after
         self.rank = rank
+        self.role = role
+        self.advice = advice
         # At least as often as a warning, so that "last heard" stays meaningful with a short warn_after.
         self.heartbeat_every = (
             min(HEARTBEAT_EVERY, warn_after) if heartbeat_every is None else heartbeat_every
@@ -125,8 +134,11 @@ class Watchdog:
         self._observe(phase, since, now)
         if now >= self._warn_at:
             elapsed = now - since
-            self._warn(phase, elapsed)
-            self._warn_at = since + min(2 * elapsed, elapsed + MAX_GAP)
+            # A wait for another rank is told by the waiting lines (getattr: a replicated save's Channel,
+            # the writer's, never waits for its peers).
+            if not getattr(self.source, "waiting", False):
+                self._warn(phase, elapsed)
+            self._warn_at = since + next_line(elapsed)
         return self._warn_at - time.time()
 
     def beat_in(self) -> float:
@@ -146,11 +158,11 @@ class Watchdog:
         return min(self._warn_at - time.time(), self.beat_in())
 
     def _stack(self) -> tuple[str, str]:
-        """The writer thread's stack, and what it says about a collective the writer is blocked in."""
+        """The watched thread's stack, and what it says about a collective it is blocked in."""
         frame = sys._current_frames().get(self._writer_ident or -1)
         if frame is None:
-            return "  (the writer thread has exited)\n", ""
-        return "".join(traceback.format_stack(frame, limit=_STACK_FRAMES)), self._collective_note(frame)
+            return "  (the thread has exited)\n", ""
+        return thread_stack(self._writer_ident), self._collective_note(frame)
 
     def _collective_note(self, frame: FrameType) -> str:
         collective = blocked_in_collective(frame)
@@ -172,14 +184,17 @@ class Watchdog:
         self._warned_in_phase = True
         path = self.source.target_url
         stack, collective = self._stack()
+        advice = f" {self.advice(phase)}" if self.advice is not None else ""
         logger.warning(
-            "%s: the writer has been in %s of %s for %.1f s (warn_after %g s); the save goes on, "
-            "this is a warning only.%s Stack of writer thread %r (most recent call last):\n%s",
+            "%s: %s has been in %s of %s for %.1f s (warn_after %g s); the save goes on, "
+            "this is a warning only.%s%s Stack of thread %r (most recent call last):\n%s",
             who(self.rank),
+            self.role,
             phase,
             path,
             elapsed,
             self.warn_after,
+            advice,
             collective,
             self._writer_name,
             stack,
@@ -190,8 +205,9 @@ class Watchdog:
         # Closes the story a stall warning opened: a reader of the log must not assume it still hangs.
         path = self.source.target_url
         logger.warning(
-            "%s: the writer left %s of %s after %.1f s",
+            "%s: %s left %s of %s after %.1f s",
             who(self.rank),
+            self.role,
             phase,
             path,
             elapsed,
@@ -227,18 +243,17 @@ class _Monitor:
                 self._thread = threading.Thread(target=self._run, name="safeio-watchdog", daemon=True)
                 self._thread.start()
             elif due < self._wake_at:
-                self._cond.notify()  # rare: only a warn_after shorter than the idle tick
+                self._cond.notify()  # the thread sleeps past this watch's first warning or heartbeat
 
     def remove(self, watch: Watchdog) -> None:
         with self._cond:
             self._watches.discard(watch)  # no wake-up: the thread finds the watch gone on its own
 
     def _run(self) -> None:
-        idle_since = time.monotonic()
         while True:
             with self._cond:
                 watches, seen = list(self._watches), self._added
-            pause = _IDLE_TICK
+            pause = math.inf  # nothing watched: sleep until add() or stop() wakes the thread
             for watch in watches:
                 try:
                     pause = min(pause, watch.tick(), self._schedule_beat(watch))
@@ -249,15 +264,11 @@ class _Monitor:
                 if self._stopping:
                     self._thread = None
                     return
-                if self._watches:
-                    idle_since = now
-                elif now - idle_since > _IDLE_EXIT:
-                    self._thread = None
-                    return
                 if self._added != seen:
                     continue  # a save started during this round: look at it before sleeping
-                self._wake_at = now + max(pause, 0.01)
-                self._cond.wait(max(pause, 0.01))
+                pause = max(pause, 0.01)
+                self._wake_at = now + pause
+                self._cond.wait(pause if math.isfinite(pause) else None)
 
     def _schedule_beat(self, watch: Watchdog) -> float:
         """Queue the watch's heartbeat if due; seconds until the monitor must look at it again for that."""
@@ -276,14 +287,7 @@ class _Monitor:
 
     def _beat_loop(self) -> None:
         while True:
-            try:
-                watch = self._beats.get(timeout=_IDLE_EXIT)
-            except queue.Empty:
-                with self._cond:  # beats are queued under this lock: empty now means empty for good
-                    if self._beats.empty():
-                        self._beater = None
-                        return
-                continue
+            watch = self._beats.get()  # blocks without waking while nothing is watched
             if watch is None:  # stop(): the process is exiting
                 return
             try:

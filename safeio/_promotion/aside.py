@@ -32,6 +32,7 @@ class RenameAside(LocalPromotion):
     def _replace_existing(self, stage: str, entries: dict[str, dict[str, Any]]) -> None:
         self.write_manifest(entries, None)
         self.seal_stage()
+        self.before_rename()  # a step replaced (a rollback): the swap is its commit point
         self._swap()
 
     def _swap(self) -> None:

@@ -288,6 +288,7 @@ class LocalPromotion(Promotion):
         version took the name first, which first saves promote without the lock."""
         self.write_manifest(entries, None)
         self.seal_stage()
+        self.before_rename()
         try:
             rename_noreplace(self.stage_name, self.name, self.parent_fd, flag=self._noreplace_flag())
         except OSError as exc:
@@ -302,6 +303,10 @@ class LocalPromotion(Promotion):
             os.rename(self.name, self.stage_name, src_dir_fd=self.parent_fd, dst_dir_fd=self.parent_fd)
             raise self.swapped_stage_error()
         return True
+
+    def before_rename(self) -> None:
+        """The last moment before the stage becomes the target (a checkpoint's commit point: see
+        ``StepRename``); nothing by default."""
 
     def _noreplace_flag(self) -> bool:
         # NFS and FUSE refuse RENAME_NOREPLACE: asking would be one more round trip to the server.

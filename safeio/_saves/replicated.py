@@ -239,7 +239,9 @@ class ReplicatedSave:
             return  # this rank's own error; the writer never waits for it
         started = time.monotonic()
         visibility = self._visibility
-        outcome = channel.wait(self.timeout, visibility.landed, visibility.result)
+        outcome = channel.wait(
+            self.timeout, visibility.landed, visibility.result, warn_after=self.options.warn_after
+        )
         outcome.raise_if_failed(stage.group.rank)
         stage.result = decode_value(outcome.value)
         # NFS: this rank may be another client whose attribute/dentry cache still shows the old version

@@ -3,6 +3,7 @@
     SafeIOError                      (root; .path)
     ├── InvalidTargetError           (ValueError)       bad input: empty path, a file where a directory goes
     ├── InvalidOptionError           (ValueError)       a bad argument or SAFEIO_* variable
+    │   └── InvalidTypeError         (TypeError too)    an argument of the wrong type (a path that is None)
     ├── TargetExistsError            (FileExistsError)  mode="error" and the target exists
     ├── PromotionError               (OSError)          the writer could not stage, sync or promote
     ├── LockTimeout                  (TimeoutError)     the promotion lock was not acquired in time
@@ -56,6 +57,12 @@ class InvalidTargetError(SafeIOError, ValueError):
 
 class InvalidOptionError(SafeIOError, ValueError):
     """An argument or ``SAFEIO_*`` environment variable has a value safeio cannot use; names which."""
+
+
+class InvalidTypeError(InvalidOptionError, TypeError):
+    """An argument of the wrong type (a path that is None or a number, text that is not a str); names the
+    argument. Also a ``TypeError``, which Python raised for these before safeio named them, so code
+    catching that still does."""
 
 
 class TargetExistsError(SafeIOError, FileExistsError):

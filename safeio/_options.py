@@ -30,6 +30,13 @@ DEFAULT_VERSION_GRACE = 300.0
 DEFAULT_LEASE_SECONDS = 30.0
 
 
+def flag(value: object, name: str, path: str | None = None) -> bool:
+    """``value`` when it is True or False; an InvalidOptionError naming ``name`` (and ``path``) else."""
+    if not isinstance(value, bool):
+        raise InvalidOptionError(f"{name} must be True or False, got {value!r}", path)
+    return value
+
+
 def seconds(value: object, name: str, *, allow_inf: bool = False, allow_zero: bool = False) -> float:
     """``value`` as a finite positive number of seconds, else InvalidOptionError naming ``name``."""
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
@@ -118,9 +125,8 @@ class SaveOptions:
             raise InvalidOptionError(
                 f"lock must be True, False, 'auto', 'flock', 'lease' or 'strict', got {lock!r}", None
             )
-        for name, flag in (("durable", durable), ("manifest", manifest)):
-            if not isinstance(flag, bool):
-                raise InvalidOptionError(f"{name} must be True or False, got {flag!r}", None)
+        for name, value in (("durable", durable), ("manifest", manifest)):
+            flag(value, name)
         if writer is not None and (isinstance(writer, bool) or not isinstance(writer, int) or writer < 0):
             raise InvalidOptionError(f"writer must be a rank (an int >= 0) or None, got {writer!r}", None)
         return cls(

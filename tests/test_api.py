@@ -56,6 +56,8 @@ def test_import_needs_neither_torch_nor_transformers() -> None:
     ("error", "builtin"),
     [
         (errors.InvalidTargetError("bad /p", "/p"), ValueError),
+        (errors.InvalidTypeError("target /p must be a path", "/p"), TypeError),
+        (errors.InvalidTypeError("target /p must be a path", "/p"), ValueError),
         (errors.TargetExistsError("exists /p", "/p"), FileExistsError),
         (errors.PromotionError("failed /p", "/p", errno=28), OSError),
         (errors.LockTimeout("lock /p", "/p", holder="pid 1 on h"), TimeoutError),

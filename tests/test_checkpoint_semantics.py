@@ -222,8 +222,9 @@ def test_another_users_steps_in_a_shared_root_are_never_chosen_nor_retired(share
     listed = subprocess.run(
         [sys.executable, "-m", "safeio", "ls", "--json", path], capture_output=True, text=True, timeout=60
     )
-    states = {row["name"]: row["state"] for row in json.loads(listed.stdout)["checkpoints"]}
-    assert states["step_60"] == f"another user's (uid {OTHER_UID})" and states["step_3"] == "committed"
+    rows = {row["name"]: row for row in json.loads(listed.stdout)["checkpoints"]}
+    assert rows["step_60"]["state"] == "another-users" and rows["step_3"]["state"] == "committed"
+    assert rows["step_60"]["detail"].startswith(f"another user's (uid {OTHER_UID})")
 
 
 _KILLED_WHILE_DELETING = textwrap.dedent(

@@ -411,19 +411,25 @@ def test_safeio_ls_lists_committed_partial_and_in_progress(tmp_path: Path) -> No
         live.__exit__(None, None, None)
     assert done.returncode == 0, done.stderr
     report = json.loads(done.stdout)
-    states = {row["name"]: row["state"] for row in report["checkpoints"]}
+    rows = {row["name"]: row for row in report["checkpoints"]}
+    states = {name: row["state"] for name, row in rows.items()}
     assert states["step_2"] == "committed"
-    assert states["step_1"] == "partial"  # a safeio marker whose files no longer match it
-    assert states["step_3"] == states["step_7"] == "written without safeio, incomplete"
-    assert states["checkpoint-5"] == "written without safeio, complete by trainer_state.json"
-    assert states["step_6"] == "written without safeio, complete by torch.distributed.checkpoint's .metadata"
-    assert [s for n, s in states.items() if n.startswith(".step_4.safeio-stage")] == ["in progress"]
+    # A safeio marker whose files no longer match it: "damaged", the word verify uses (ls said "partial").
+    assert states["step_1"] == "damaged" and "size mismatch: w.bin" in rows["step_1"]["detail"]
+    assert states["step_3"] == states["step_7"] == "written-without-safeio-incomplete"
+    assert states["checkpoint-5"] == states["step_6"] == "written-without-safeio-complete"
+    assert rows["checkpoint-5"]["detail"] == "complete by trainer_state.json"
+    assert rows["step_6"]["detail"] == "complete by torch.distributed.checkpoint's .metadata"
+    assert [s for n, s in states.items() if n.startswith(".step_4.safeio-stage")] == ["in-progress"]
+    # Each problem comes with what fixes it; the others with none.
+    assert {n for n, row in rows.items() if row["fix"] is not None} == {"step_1", "step_3", "step_7"}
     assert report["latest"] == "step_2" and report["latest_ok"] is True
-    (root / "latest").write_text("step_3")  # a pointer to a partial step: flagged
+    (root / "latest").write_text("step_3")  # a pointer to an incomplete step: flagged
     done = subprocess.run(
         [sys.executable, "-m", "safeio", "ls", str(root)], capture_output=True, text=True, timeout=60
     )
     assert done.returncode == 1 and "not a committed checkpoint" in done.stdout, done.stdout
+    assert "the next committed save rewrites it" in done.stdout
     # verify judges what it can check and says what it cannot: the incomplete ones and the damaged step
     # are problems, the complete ones written without safeio are listed as not checked.
     done = subprocess.run(
@@ -435,6 +441,7 @@ def test_safeio_ls_lists_committed_partial_and_in_progress(tmp_path: Path) -> No
         "step_3",
         "step_7",
     ], done.stdout
+    assert "  step_1: damaged: " in done.stdout, done.stdout  # the same word as ls
     not_checked = [line for line in done.stdout.splitlines() if line.startswith("  not checked:")]
     assert len(not_checked) == 2 and "checkpoint-5" in not_checked[0] and "step_6" in not_checked[1], (
         done.stdout
@@ -564,18 +571,20 @@ def test_verify_and_gc_understand_a_checkpoint_root(tmp_path: Path) -> None:
 
     done = cli("verify", str(root))
     assert done.returncode == 0, done.stdout + done.stderr
-    assert (
-        "2 committed checkpoint(s), latest 'step_2'" in done.stdout
-        and "stage of a dead writer" in done.stdout
-    )
+    assert "2 committed checkpoint(s), latest 'step_2'" in done.stdout
+    # The dead writer's stage is named stale, with the command that removes it (it was not suggested).
+    assert f"note: {stages[0]}: stale: " in done.stdout, done.stdout
+    assert f"fix stale ({stages[0]}): `safeio gc {root}` removes it" in done.stdout, done.stdout
     # A committed step damaged afterwards, and a step directory written without safeio: both named.
     (root / "step_1" / "w.bin").write_bytes(b"short")
     (root / "step_3").mkdir()
     done = cli("verify", "--json", str(root))
     assert done.returncode == 1, done.stdout
     report = json.loads(done.stdout)
-    assert any(p.startswith("step_1: damaged after its commit") for p in report["problems"]), report
-    assert any(p.startswith("step_3: written without safeio, incomplete") for p in report["problems"]), report
+    assert any(p.startswith("step_1: damaged: ") for p in report["problems"]), report
+    assert any(p.startswith("step_3: written-without-safeio-incomplete: ") for p in report["problems"]), (
+        report
+    )
     # gc removes the dead writer's stage and nothing else: committed and partial steps stay.
     done = cli("gc", str(root))
     assert done.returncode == 0, done.stdout + done.stderr

@@ -391,12 +391,20 @@ def test_gc_removes_only_stale_safeio_leftovers(tmp_path: Path, capsys: pytest.C
             assert code == 0, report
             verbs = {a["path"]: a["verb"] for a in report["actions"]}
             assert verbs == {str(stale_stage): "remove", str(stale_lock): "remove", str(aside): "restore"}
+            assert {a["state"] for a in report["actions"]} == {"stale"}
             assert report["freed_bytes"] >= stage_bytes
             assert not stale_stage.exists() and not stale_lock.exists()
             assert (root / "config" / "data.bin").exists()  # the old version was put back
-            kept = {k["path"]: k["reason"] for k in report["kept"]}
+            kept = {k["path"]: k["detail"] for k in report["kept"]}
             assert "alive" in kept[str(live_stage)] and "live pid" in kept[str(live_lock)]
             assert "another host" in kept[str(foreign)]
+            states = {k["path"]: (k["state"], k["fix"]) for k in report["kept"]}
+            assert states[str(live_stage)] == states[str(live_lock)] == ("in-progress", None)
+            assert states[str(foreign)] == (
+                "other-host",
+                f"`safeio gc {root} --older-than 1d` removes it "
+                "once it is older than that (choose an age no save of yours lasts)",
+            )
             assert live_stage.is_dir() and live_lock.is_file() and foreign.is_dir()
             for name in [
                 *look_alikes,
@@ -418,7 +426,8 @@ def test_gc_older_than_keeps_young_leftovers(tmp_path: Path, capsys: pytest.Capt
     stage = make_sibling(tmp_path, "tok", "stage", dead_pid())
     code, report = run_json(capsys, "gc", str(tmp_path), "--older-than", "1h")
     assert code == 0 and report["actions"] == [] and stage.is_dir()
-    assert "younger" in report["kept"][0]["reason"]
+    assert "younger" in report["kept"][0]["detail"] and report["kept"][0]["state"] == "stale"
+    assert report["kept"][0]["fix"].startswith(f"`safeio gc {tmp_path}` removes it")
     code = main(["gc", str(tmp_path)])
     assert code == 0 and not stage.exists()
     assert "freed 1000 B" in capsys.readouterr().out
@@ -469,8 +478,10 @@ def test_verify_complete_damaged_and_missing(tmp_path: Path, capsys: pytest.Capt
     assert code == 1 and "missing: sub/config.json" in report["problems"]
     assert report["unlisted"] == ["extra.txt"]
 
+    # A path that names nothing is bad input, worded and numbered as ls and gc do (it was exit 1 here).
     done = cli("verify", str(tmp_path / "nowhere"))
-    assert done.returncode == 1 and "FAILED" in done.stdout and "Traceback" not in done.stderr
+    assert done.returncode == 2 and f"{tmp_path / 'nowhere'}: no such file or directory" in done.stderr
+    assert "Traceback" not in done.stderr
 
 
 def test_verify_object_store_commits(capsys: pytest.CaptureFixture[str]) -> None:
@@ -486,9 +497,10 @@ def test_verify_object_store_commits(capsys: pytest.CaptureFixture[str]) -> None
         fs.pipe("/cli-bucket/partial/tokenizer.json", b"{}")  # an upload that never wrote its marker
         code, report = run_json(capsys, "verify", "memory://cli-bucket/partial")
         assert code == 1 and report["problems"][0].startswith("incomplete commit: 1 object(s)")
+        assert report["state"] == "uncommitted" and report["fix"] is not None
 
-        code, report = run_json(capsys, "verify", "memory://cli-bucket/never")
-        assert code == 1 and report["problems"][0].startswith("missing")
+        assert main(["verify", "memory://cli-bucket/never"]) == 2  # nothing there: as a missing directory
+        assert "memory://cli-bucket/never: no such file or directory" in capsys.readouterr().err
     finally:
         fs.rm("/cli-bucket", recursive=True)
 

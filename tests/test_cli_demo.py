@@ -194,7 +194,7 @@ def test_demo_bad_input(
         (["--ranks", "0"], "must be at least 1"),
         (["--iterations", "x"], "not a whole number"),
         (["--local", "--nfslike"], "not allowed with"),
-        (["--tmpdir", str(tmp_path / "missing")], "not a directory"),
+        (["--tmpdir", str(tmp_path / "missing")], "missing: no such file or directory"),
     ):
         assert main(["demo", *args]) == 2
         err = capsys.readouterr().err
@@ -204,3 +204,34 @@ def test_demo_bad_input(
     assert main(["demo", "--nfslike", "--tmpdir", str(tmp_path)]) == 2
     assert "cannot be mounted here: /dev/fuse does not exist" in capsys.readouterr().err
     assert os.listdir(tmp_path) == []
+
+
+def test_a_rank_killed_while_it_waits_is_named_and_the_demo_ends(shared_dir: Path, tmp_path: Path) -> None:
+    """A rank killed while it waits for the parent's go: the demo hung for ever in Event.set() (which
+    waits for every sleeper to wake, a dead one never does), and its ranks' report called a rank killed
+    by a signal "timed out"."""
+    err_path = tmp_path / "stderr.txt"
+    argv = ["-m", "safeio", "demo", "--ranks", "2", "--iterations", "1000", "--local", "--tmpdir"]
+    with open(err_path, "w") as err:  # a file: the forkserver outlives the demo and inherits it
+        proc = subprocess.Popen(
+            [sys.executable, *argv, str(shared_dir)], stdout=subprocess.DEVNULL, stderr=err
+        )
+    try:
+        deadline = time.monotonic() + 120
+        while "ranks: pid" not in err_path.read_text():
+            assert proc.poll() is None and time.monotonic() < deadline, err_path.read_text()
+            time.sleep(0.05)  # polling a file with a deadline, not synchronisation
+        pid = int(err_path.read_text().split("ranks: pid ")[1].split(",")[0])  # rank 0's
+        os.kill(pid, signal.SIGKILL)
+        assert proc.wait(BOUND_AFTER_KILL) == 1, err_path.read_text()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    text = err_path.read_text()
+    assert "rank 0 was killed by SIGKILL without reporting" in text, text
+    assert f"rank 0 (pid {pid}, gone)" in text, text
+    assert os.listdir(shared_dir) == []
+
+
+BOUND_AFTER_KILL = 120  # the demo ends within seconds once a rank is gone; it hung for ever before

@@ -247,12 +247,21 @@ def test_load_state_uses_a_complete_checkpoint_written_without_safeio_and_skips_
     os.truncate(cut, cut.stat().st_size // 2)
     capsys.readouterr()
     assert main(["ls", "--json", str(checkpoints)]) == 0
-    states = {row["name"]: row["state"] for row in json.loads(capsys.readouterr().out)["checkpoints"]}
+    rows = json.loads(capsys.readouterr().out)["checkpoints"]
+    states = {row["name"]: (row["state"], row["detail"]) for row in rows}
     assert states == {
-        "checkpoint_0": "written without safeio, complete by accelerate's random_states_<rank>.pkl of 2 ranks",
-        "checkpoint_1": "written without safeio, incomplete",
-        "checkpoint_2": "written without safeio, incomplete (accelerate's random states of 1 of the 2 ranks "
-        "its other checkpoints have)",
+        "checkpoint_0": (
+            "written-without-safeio-complete",
+            "complete by accelerate's random_states_<rank>.pkl of 2 ranks",
+        ),
+        "checkpoint_1": (
+            "written-without-safeio-incomplete",
+            "no safeio marker, and no framework marker safeio knows",
+        ),
+        "checkpoint_2": (
+            "written-without-safeio-incomplete",
+            "accelerate's random states of 1 of the 2 ranks its other checkpoints have",
+        ),
     }, states
     results = run_ranks(_resume_over_plain, 2, root, "resume", timeout=300)
     for r in results:

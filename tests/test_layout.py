@@ -70,6 +70,7 @@ def test_public_names_are_pinned() -> None:
         "Group",
         "InvalidOptionError",
         "InvalidTargetError",
+        "InvalidTypeError",
         "LockTimeout",
         "PeerTimeout",
         "PromotionError",

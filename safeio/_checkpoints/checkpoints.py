@@ -62,10 +62,11 @@ from safeio._errors import (
     CollectiveMismatch,
     InvalidOptionError,
     InvalidTargetError,
+    InvalidTypeError,
     PeerTimeout,
     RemoteWriterError,
 )
-from safeio._options import SaveOptions
+from safeio._options import SaveOptions, flag
 from safeio._promotion import active
 from safeio._promotion.backends import backend_for
 from safeio._promotion.steps import (
@@ -169,6 +170,8 @@ class Checkpoints:
     ) -> None:
         backend = backend_for(root)
         _check_keep(keep, root)
+        for option, value in (("megatron_tracker", megatron_tracker), ("pointer", pointer)):
+            flag(value, option, backend.url())
         names = StepNames(name, backend.url())
         self.options = SaveOptions.of(timeout=timeout, durable=durable, lock=lock, warn_after=warn_after)
         self._steps = backend.steps(
@@ -221,6 +224,7 @@ class Checkpoints:
         without those, another user's, one with another step's marker — raises ``InvalidTargetError``
         naming it (safeio never deletes what it did not write). Object stores always refuse."""
         protected = [os.path.basename(os.fspath(p).rstrip("/")) for p in protect]
+        adopt = flag(adopt, "adopt", self.root)
         existing = ExistingDirectory(unmarked=unmarked, placeholder=placeholder, adopt=adopt)
         return CheckpointSave(self, check_step(step, self.root), protected, existing)
 
@@ -247,6 +251,10 @@ class Checkpoints:
 
     def path_of(self, name: str) -> str:
         """Where the step directory ``name`` is (a path, or a URL on object stores)."""
+        if not isinstance(name, str):
+            raise InvalidTypeError(
+                f"{self.root}: name must be a str, got {type(name).__name__} {name!r}", self.root
+            )
         return self._steps.url(name)
 
     def latest(self, *, unmarked: Callable[[str], bool] | None = None) -> Checkpoint | None:

@@ -17,7 +17,7 @@ from datetime import timedelta
 from typing import Any, Protocol, runtime_checkable
 
 from safeio._boundary import store_timed_out
-from safeio._errors import InvalidOptionError, PeerTimeout
+from safeio._errors import InvalidOptionError, InvalidTypeError, PeerTimeout
 
 
 @runtime_checkable
@@ -44,6 +44,9 @@ class Group:
         writer: int = 0,
         name: str = "",
     ) -> None:
+        for label, value in (("rank", rank), ("world_size", world_size), ("writer", writer)):
+            if isinstance(value, bool) or not isinstance(value, int):  # "0" from an environment variable
+                raise InvalidTypeError(f"{label} must be an int, got {type(value).__name__} {value!r}", None)
         if world_size < 1:
             raise InvalidOptionError(f"world_size must be >= 1, got {world_size}", None)
         if not 0 <= rank < world_size:

@@ -38,6 +38,7 @@ from typing import Any, Literal
 
 from safeio._errors import InvalidOptionError, SafeIOError, UnsafeWriteError
 from safeio._promotion import active
+from safeio._storage.location import as_str_path
 from safeio._storage.names import LOCK_SUFFIX, parse
 from safeio._who import current_rank, host, who
 
@@ -127,11 +128,13 @@ class Auditor:
     ) -> None:
         if action not in ACTIONS:
             raise InvalidOptionError(f"action must be one of {', '.join(ACTIONS)}; got {action!r}", None)
-        self.root = os.path.abspath(os.fspath(root))
+        self.root = os.path.abspath(as_str_path(root, "root"))
         # Callers name files through symlinks or not; either spelling of the root must match.
         self._roots = tuple({self.root, os.path.realpath(self.root)})
         self.action: Action = action
-        self.record_dir = os.path.abspath(os.fspath(record_dir)) if record_dir is not None else None
+        self.record_dir = (
+            os.path.abspath(as_str_path(record_dir, "record_dir")) if record_dir is not None else None
+        )
         self.records: list[AuditRecord] = []  # unsafe operations
         self.opens: list[AuditRecord] = []  # non-truncating opens (context for conflicts)
         self._lock = threading.Lock()

@@ -34,6 +34,7 @@ from types import FrameType
 from typing import Any, ClassVar
 
 from safeio._errors import CollectiveInWriterSection
+from safeio._storage.location import as_str_path
 from safeio._who import who
 
 # Every collective of torch.distributed (c10d) that needs the other ranks to make the same call.
@@ -95,8 +96,9 @@ def blocked_in_collective(frame: FrameType | None) -> str | None:
 def writer_only_section(target: str | os.PathLike[str]) -> Iterator[None]:
     """Run a block that only the writer executes: torch.distributed collectives in it raise
     ``CollectiveInWriterSection`` (naming the collective and ``target``) instead of deadlocking."""
+    shown = as_str_path(target)  # checked before the section starts, not at its first collective
     targets = _threads.setdefault(threading.get_ident(), [])
-    targets.append(os.fspath(target))
+    targets.append(shown)
     with _Installed.lock:
         _Installed.depth += 1
         _install()

@@ -33,6 +33,7 @@ import stat
 from abc import ABC, abstractmethod
 from typing import Any, ClassVar
 
+from safeio._errors import InvalidTargetError
 from safeio._options import SaveOptions, exchange_disabled
 from safeio._promotion import capabilities
 from safeio._promotion.aside import RenameAside
@@ -176,7 +177,12 @@ class PosixBackend(Backend):
         )
 
     def make_parent(self) -> None:
-        os.makedirs(self.location.parent, exist_ok=True)
+        try:
+            os.makedirs(self.location.parent, exist_ok=True)
+        except (FileExistsError, NotADirectoryError) as exc:  # a file where a directory goes: bad input
+            raise InvalidTargetError(
+                f"cannot save {self.location.path}: {exc.filename} is not a directory", self.location.path
+            ) from exc
 
     def remove_file(self, *, durable: bool) -> None:
         name = self.location.name

@@ -5,12 +5,14 @@ from __future__ import annotations
 
 import os
 
+from safeio._options import flag
 from safeio._promotion.backends import backend_for
 
 
 def verify(path: str | os.PathLike[str], *, check_hashes: bool = True) -> list[str]:
     """Everything wrong with a promoted target against its manifest (empty when it is complete)."""
-    return backend_for(path).reader().verify(check_hashes=check_hashes)
+    backend = backend_for(path)
+    return backend.reader().verify(check_hashes=flag(check_hashes, "check_hashes", backend.url()))
 
 
 def is_complete(path: str | os.PathLike[str]) -> bool:

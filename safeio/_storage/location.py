@@ -11,7 +11,7 @@ import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from safeio._errors import InvalidTargetError
+from safeio._errors import InvalidTargetError, InvalidTypeError
 
 if TYPE_CHECKING:
     from fsspec import AbstractFileSystem
@@ -44,15 +44,34 @@ class Location:
         return str(self.fs.unstrip_protocol(path))
 
 
+def as_path(value: Any, what: str = "target") -> str | bytes:
+    """``os.fspath(value)``, or an ``InvalidTypeError`` naming ``what`` when ``value`` is no path at all
+    (None, a number, a file object): os.fspath's bare TypeError named neither the argument nor safeio."""
+    try:
+        path: str | bytes = os.fspath(value)
+    except TypeError:
+        raise InvalidTypeError(
+            f"{what} must be a str path, an os.PathLike or a URL, got {type(value).__name__} {value!r}", None
+        ) from None
+    return path
+
+
+def as_str_path(value: Any, what: str = "target") -> str:
+    """``as_path``, and a str that can name a file: bytes, an empty path and a NUL byte (for which the OS
+    raises a bare ValueError) are refused with an ``InvalidTargetError`` naming ``what``."""
+    given = as_path(value, what)
+    if not isinstance(given, str):
+        raise InvalidTargetError(f"{what} must be a str path or URL, got bytes {given!r}", repr(given))
+    if given.strip() == "":
+        raise InvalidTargetError(f"{what} path is empty", given)
+    if "\0" in given:
+        raise InvalidTargetError(f"{what} path contains a NUL byte: {given!r}", given)
+    return given
+
+
 def resolve(target: str | os.PathLike[str]) -> Location:
     """Turn a path, ``pathlib.Path`` or fsspec URL into a Location, refusing what cannot be a target."""
-    given = os.fspath(target)
-    if not isinstance(given, str):
-        raise InvalidTargetError(f"target must be a str path or URL, got bytes {given!r}", repr(given))
-    if given.strip() == "":
-        raise InvalidTargetError("target path is empty", given)
-    if "\0" in given:
-        raise InvalidTargetError(f"target path contains a NUL byte: {given!r}", given)
+    given = as_str_path(target)
     if "://" in given and not given.startswith("file://"):
         return _resolve_url(given)
     if given.startswith("file://"):

@@ -40,6 +40,27 @@ def is_version_link(path: str) -> bool:
     return version_pointee(path) is not None
 
 
+NO_SUCH_TARGET = "no such file or directory"
+NOT_A_DIRECTORY = "not a directory"
+
+
+def why_not_a_directory(path: str) -> str | None:
+    """Why ``path`` names no directory (``NO_SUCH_TARGET``, ``NOT_A_DIRECTORY``, no permission, a name
+    too long or looping), or None when it names one. A failure of the filesystem itself (EIO, ESTALE) is
+    raised: it says nothing about the path given."""
+    try:
+        st = os.stat(path)
+    except FileNotFoundError:
+        return NO_SUCH_TARGET
+    except PermissionError:
+        return "permission denied (cannot reach it as this user)"
+    except OSError as exc:
+        if exc.errno in (errno.ENOTDIR, errno.ENAMETOOLONG, errno.ELOOP):
+            return exc.strerror or str(exc)
+        raise
+    return None if stat.S_ISDIR(st.st_mode) else NOT_A_DIRECTORY
+
+
 class TargetReader(ABC):
     """Reads what a promoted target holds, never changing it."""
 
@@ -91,6 +112,12 @@ class TargetReader(ABC):
         """What ``safeio verify`` says of a target without its manifest (the same as ``verify``)."""
         return self.no_manifest_problem()
 
+    @abstractmethod
+    def absence(self) -> str | None:
+        """Why nothing is at the target to read (``NO_SUCH_TARGET``, ``NOT_A_DIRECTORY``, no permission),
+        or None when something is: ``safeio verify`` reports a path that names nothing as bad input, as
+        ``safeio ls`` and ``safeio gc`` do."""
+
     def verify(self, *, check_hashes: bool = True) -> list[str]:
         if not self.exists():
             return [f"missing: {self.location.url()} is not a directory"]
@@ -127,6 +154,9 @@ class TargetReader(ABC):
 class LocalReader(TargetReader):
     def exists(self) -> bool:
         return os.path.isdir(self.location.path)
+
+    def absence(self) -> str | None:
+        return why_not_a_directory(self.location.path)
 
     def manifest(self) -> dict[str, Any] | None:
         return manifest.read(self.location.path)
@@ -229,12 +259,18 @@ class ObjectStoreReader(TargetReader):
     def no_manifest_problem(self) -> str:
         return f"no commit marker ({manifest.MANIFEST_NAME}) under {self.location.url()}: incomplete"
 
+    def _objects(self) -> list[str]:
+        try:
+            return [key for key in self.fs.find(self.location.path) if not key.endswith("/")]
+        except (OSError, ValueError):
+            return []
+
+    def absence(self) -> str | None:
+        return None if self._objects() else NO_SUCH_TARGET
+
     def describe_missing_manifest(self) -> str:
         # No marker: either nothing was ever committed there, or an upload stopped before its last step.
-        try:
-            objects = [key for key in self.fs.find(self.location.path) if not key.endswith("/")]
-        except (OSError, ValueError):
-            objects = []
+        objects = self._objects()
         if not objects:
             return f"missing: nothing under {self.location.url()}"
         return (

@@ -12,7 +12,7 @@ import logging
 import sys
 from collections.abc import Sequence
 
-from safeio._errors import SafeIOError
+from safeio._errors import InvalidTypeError, SafeIOError
 from safeio.cli import audit as audit
 from safeio.cli import autopatch as autopatch
 from safeio.cli import demo as demo
@@ -20,23 +20,10 @@ from safeio.cli import doctor as doctor
 from safeio.cli import gc as gc
 from safeio.cli import ls as ls
 from safeio.cli import verify as verify
-from safeio.cli._common import EXIT_INTERRUPTED, EXIT_USAGE, CliError
+from safeio.cli._common import EXIT_INTERRUPTED, EXIT_PROBLEMS, EXIT_USAGE, CliError
+from safeio.cli._exit_codes import epilog
 
 __all__ = ["build_parser", "main"]
-
-EPILOG = """\
-exit codes:
-  0    success: doctor printed its report, gc finished (also when nothing was removable),
-       verify found the target complete, ls listed a root whose latest is committed, demo's safeio
-       pattern ran clean, audit found no conflicts, autopatch saw a new process patched
-  1    problems found: verify found the target incomplete, damaged or missing; ls found latest naming
-       something not committed; gc could not remove
-       something; doctor found the filesystem breaks a guarantee safeio relies on (atomic rename,
-       exclusive create); demo's safeio pattern failed; audit found conflicts; autopatch
-       saw no patch in a new process
-  2    usage error or bad input (missing path, a file where a directory is needed, no permission)
-  130  interrupted (Ctrl-C); whatever the command had created is removed first
-"""
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -44,7 +31,7 @@ def build_parser() -> argparse.ArgumentParser:
         prog="safeio",
         description="Safe replicated checkpoint files on shared filesystems: probe a filesystem, clean "
         "up after crashes, check a checkpoint, and see the problem and the fix.",
-        epilog=EPILOG,
+        epilog=epilog(),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
@@ -52,7 +39,8 @@ def build_parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", metavar="COMMAND")
     commands.required = True
     for module in (doctor, gc, verify, ls, demo, audit, autopatch):
-        module.add_parser(commands, EPILOG)
+        name = module.__name__.rsplit(".", 1)[-1]
+        module.add_parser(commands, epilog("audit report" if name == "audit" else name))
     return parser
 
 
@@ -73,8 +61,15 @@ def _log_to_stderr() -> None:
     logger.setLevel(logging.DEBUG)
 
 
+def _where(exc: OSError) -> str:
+    return f"{exc.filename}: " if exc.filename is not None else ""
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the command line ``argv`` (default ``sys.argv[1:]``) and return its exit code."""
+    if argv is not None and (isinstance(argv, (str, bytes)) or not all(isinstance(a, str) for a in argv)):
+        # A whole command line as one string was split into letters: "invalid choice: 'l'".
+        raise InvalidTypeError(f"argv must be a list of str, got {type(argv).__name__} {argv!r}", None)
     parser = build_parser()
     try:
         args = parser.parse_args(argv)
@@ -91,9 +86,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     except SafeIOError as exc:  # bad input that safeio itself refused (an empty path, a NUL byte)
         print(f"{name}: error: {exc}", file=sys.stderr)
         return EXIT_USAGE
+    except BrokenPipeError:  # `safeio gc --dry-run | head`: the reader went away, nothing to report
+        return 0
+    except PermissionError as exc:  # a directory under PATH this user may not list: as for PATH itself
+        print(f"{name}: error: {_where(exc)}permission denied (cannot read it as this user)", file=sys.stderr)
+        return EXIT_USAGE
+    except OSError as exc:  # the filesystem failed (EIO, ESTALE): a problem found, never a traceback
+        print(f"{name}: error: {_where(exc)}{exc.strerror or exc}", file=sys.stderr)
+        return EXIT_PROBLEMS
     except KeyboardInterrupt:
         print(f"{name}: interrupted", file=sys.stderr)
         return EXIT_INTERRUPTED
-    except BrokenPipeError:  # `safeio gc --dry-run | head`: the reader went away, nothing to report
-        return 0
     return code

@@ -10,11 +10,25 @@ import re
 import sys
 from typing import Any
 
-# Exit codes, documented in `safeio --help`.
-EXIT_OK = 0
-EXIT_PROBLEMS = 1
-EXIT_USAGE = 2
-EXIT_INTERRUPTED = 130
+from safeio._storage.readers import NOT_A_DIRECTORY, why_not_a_directory
+from safeio.cli._exit_codes import EXIT_INTERRUPTED, EXIT_OK, EXIT_PROBLEMS, EXIT_USAGE
+
+__all__ = [
+    "EXIT_INTERRUPTED",
+    "EXIT_OK",
+    "EXIT_PROBLEMS",
+    "EXIT_USAGE",
+    "CliError",
+    "columns",
+    "existing_directory",
+    "human_bytes",
+    "human_seconds",
+    "not_a_directory",
+    "parse_duration",
+    "positive_int",
+    "print_json",
+    "write_error",
+]
 
 _DURATION = re.compile(r"\s*(?P<value>[0-9]+(?:\.[0-9]*)?|\.[0-9]+)\s*(?P<unit>s|m|h|d|w)?\s*", re.IGNORECASE)
 _UNIT_SECONDS = {"s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0, "w": 604800.0}
@@ -71,17 +85,15 @@ def existing_directory(path: str, *, what: str = "PATH") -> str:
     if path.strip() == "":
         raise CliError(f"{what} is empty")
     full = os.path.abspath(os.path.expanduser(path))
-    try:
-        os.stat(full)
-    except FileNotFoundError:
-        raise CliError(f"{path}: no such file or directory") from None
-    except PermissionError:
-        raise CliError(f"{path}: permission denied (cannot reach it as this user)") from None
-    except OSError as exc:
-        raise CliError(f"{path}: {exc.strerror or exc}") from None
-    if not os.path.isdir(full):
-        raise CliError(f"{path}: not a directory ({what} must be a directory)")
+    why = why_not_a_directory(full)
+    if why is not None:
+        raise not_a_directory(path, why, what)
     return full
+
+
+def not_a_directory(path: str, why: str, what: str = "PATH") -> CliError:
+    """The error of every command given a ``path`` that names no directory (exit 2, the same words)."""
+    return CliError(f"{path}: {why}" + (f" ({what} must be a directory)" if why == NOT_A_DIRECTORY else ""))
 
 
 def write_error(exc: OSError, path: str) -> CliError:
@@ -93,6 +105,23 @@ def write_error(exc: OSError, path: str) -> CliError:
     if exc.errno == errno.ENOSPC:
         return CliError(f"{path}: no space left on the device")
     return CliError(f"{path}: cannot create files here: {exc.strerror or exc}")
+
+
+def columns(rows: list[list[str]], *, right: frozenset[int] = frozenset()) -> list[str]:
+    """``rows`` of cells as aligned lines: every column but the last as wide as its widest cell (the
+    columns in ``right`` aligned right), two spaces apart; the last one unpadded, so that a long detail
+    never widens the table."""
+    if not rows:
+        return []
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]) - 1)]
+    lines = []
+    for row in rows:
+        cells = [
+            cell.rjust(w) if i in right else cell.ljust(w)
+            for i, (cell, w) in enumerate(zip(row[:-1], widths, strict=True))
+        ]
+        lines.append("  ".join([*cells, row[-1]]).rstrip())
+    return lines
 
 
 def print_json(data: Any) -> None:

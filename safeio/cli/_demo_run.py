@@ -18,6 +18,7 @@ from typing import Any
 from safeio.cli import _demo_table
 from safeio.cli._demo_env import Workspace
 from safeio.cli._demo_work import DESCRIPTIONS, PATTERNS
+from safeio.testing.ranks import exit_reason
 
 # The demo gives up when nothing happened for this long (no message from a rank or the reader): not a
 # bound on the whole run, which takes well under a minute on 2 quiet cores and several on a loaded
@@ -37,6 +38,17 @@ PRELOAD = [
 
 class DemoFailed(Exception):
     pass
+
+
+def _pid_state(pid: int | None) -> str:
+    if pid is None:
+        return "never started"
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as stat:
+            state = stat.read().rsplit(b")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return f"pid {pid}, gone"
+    return f"pid {pid}, {'gone' if state in (b'Z', b'X') else 'running'}"  # Z: ended, not yet reaped
 
 
 class Run:
@@ -72,7 +84,9 @@ class Run:
             forkserver.ensure_running()
         self.messages = self.ctx.Queue()
         self.commands = self.ctx.Queue()
-        self.go = [self.ctx.Event() for _ in PATTERNS]
+        # Semaphores, not Events: Event.set() waits for every process sleeping in wait() to wake, so a
+        # rank killed while it waited for its go hung the demo in set() for ever (issue 36).
+        self.go = [self.ctx.Semaphore(0) for _ in PATTERNS]
         self.stops = [self.ctx.Event() for _ in PATTERNS]
         plan = {
             "iterations": self.iterations,
@@ -93,8 +107,12 @@ class Run:
             self.reader.start()
             self.worker.start()
             self._pump_until(lambda: len(self.ready) == self.world and self.reader_pid is not None)
-            self.say(f"  ready in {time.monotonic() - started:.1f} s")
+            pids = ", ".join(str(self.rank_pids[r]) for r in range(self.world))
+            took = time.monotonic() - started
+            self.say(f"  ready in {took:.1f} s (ranks: pid {pids}; reader: pid {self.reader_pid})")
             return self._steps()
+        except DemoFailed as exc:  # which process stopped, or is still awaited, and why
+            raise DemoFailed(f"{str(exc).rstrip()}\n{self._processes()}") from None
         finally:
             self._stop_children()
 
@@ -141,7 +159,8 @@ class Run:
         self.commands.put(("load", index, target))
         self._pump_until(lambda: index in self.reader_started)
         started = time.monotonic()
-        self.go[index].set()
+        for _ in range(self.world):
+            self.go[index].release()
         self._pump_until(lambda: len(self.done[index]) == self.world)
         wall = time.monotonic() - started
         self.stops[index].set()
@@ -176,7 +195,22 @@ class Run:
 
                 raise DemoFailed(f"the ranks stopped early:\n{describe(self.rank_outcome or [])}")
         if not self.reader.is_alive():
-            raise DemoFailed(f"the reader process exited early (status {self.reader.exitcode})")
+            raise DemoFailed(f"the reader (pid {self.reader.pid}) {exit_reason(self.reader.exitcode)} early")
+
+    def _processes(self) -> str:
+        """Each process of the demo, by pid: what it had done (its last report) and whether it runs."""
+        lines = []
+        for rank in range(self.world):
+            pid = self.rank_pids.get(rank)
+            done = [PATTERNS[i] for i in range(len(PATTERNS)) if rank in self.done[i]]
+            did = f"finished {', '.join(done)}" if done else "ready" if rank in self.ready else "not ready"
+            lines.append(f"rank {rank} ({_pid_state(pid)}): {did}")
+        read = [PATTERNS[i] for i in sorted(self.reader_done)]
+        did = (
+            f"finished {', '.join(read)}" if read else "ready" if self.reader_pid is not None else "not ready"
+        )
+        lines.append(f"reader ({_pid_state(self.reader.pid)}): {did}")
+        return "\n".join(lines)
 
     def _handle(self, message: tuple[Any, ...]) -> None:
         self.deadline = time.monotonic() + SILENCE

@@ -91,7 +91,7 @@ def rank_main(rank: int, world: int, plan: dict[str, Any], messages: Any, go: li
     dist.barrier()
     messages.put(("ready", rank, os.getpid()))
     for index, pattern in enumerate(PATTERNS):
-        if not go[index].wait(plan["timeout"]):
+        if not go[index].acquire(timeout=plan["timeout"]):
             raise TimeoutError(f"rank {rank}: the demo did not start the {pattern} pattern in time")
         target = plan["targets"][pattern]
         saves, loads = Tally(), Tally()

@@ -9,6 +9,7 @@ the patch really arrive in a new process (as in a spawned worker).
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import os
 import site
 import subprocess
@@ -16,7 +17,7 @@ import sys
 from typing import Any
 
 from safeio._autopatch import startup
-from safeio.cli._common import EXIT_OK, EXIT_PROBLEMS, print_json
+from safeio.cli._common import EXIT_OK, EXIT_PROBLEMS, CliError, print_json
 
 PTH = "safeio-autopatch.pth"
 _PROBE = (
@@ -56,24 +57,31 @@ def hook_files() -> list[str]:
 
 
 def run(args: argparse.Namespace) -> int:
+    if importlib.util.find_spec("transformers") is None:  # as the demo's missing dependencies: bad input
+        raise CliError(
+            "transformers is not installed, so SAFEIO_PATCH has nothing to patch: pip install transformers"
+        )
     hooks = hook_files()
     here = os.environ.get("SAFEIO_PATCH")
     # Off (or unset) here: show what 1 does; otherwise this value, an unknown word reported as the NO.
     value = here if here is not None and startup.parts(here) != ([], []) else "1"
-    env = {**os.environ, "SAFEIO_PATCH": value}
-    probe = subprocess.run(
-        [sys.executable, "-c", _PROBE], capture_output=True, text=True, env=env, timeout=300
-    )
-    active = probe.stdout.strip().splitlines()[-1] if probe.stdout.strip() else ""
-    pid, _, parts = active.partition(":")  # <pid>:<part>,<part> (see safeio/_autopatch/startup.py)
-    works = probe.returncode == 0 and pid.isdigit() and bool(parts)
+    chosen, unknown = startup.parts(value)
+    if chosen:
+        pid, parts, error = _probe(value)
+    else:  # words only, none of them a part: no process is patched, and no need to start one to see it
+        pid, parts = "", ""
+        error = (
+            f"SAFEIO_PATCH={value!r} names no part (unknown: {', '.join(unknown)}); the parts are "
+            f"{', '.join(startup.PARTS)}, and 1 for {', '.join(startup.EVERYTHING)}"
+        )
+    works = error is None
     report = {
         "hook": hooks[0] if hooks else None,
         "SAFEIO_PATCH": here,
         "probed_with": value,
         "new_process_patched": works,
         "parts": parts.split(",") if works else [],
-        "probe_error": None if works else (probe.stderr.strip()[-500:] or "no patch reported"),
+        "probe_error": error,
     }
     if args.json:
         print_json(report)
@@ -86,3 +94,17 @@ def run(args: argparse.Namespace) -> int:
         else:
             print(f"a new process with SAFEIO_PATCH={value} is patched: NO ({report['probe_error']})")
     return EXIT_OK if works else EXIT_PROBLEMS
+
+
+def _probe(value: str) -> tuple[str, str, str | None]:
+    """A fresh interpreter with ``SAFEIO_PATCH=value``: its pid, the parts it reports patched, and what
+    went wrong when none (None when patched)."""
+    env = {**os.environ, "SAFEIO_PATCH": value}
+    probe = subprocess.run(
+        [sys.executable, "-c", _PROBE], capture_output=True, text=True, env=env, timeout=300
+    )
+    active = probe.stdout.strip().splitlines()[-1] if probe.stdout.strip() else ""
+    pid, _, parts = active.partition(":")  # <pid>:<part>,<part> (see safeio/_autopatch/startup.py)
+    if probe.returncode == 0 and pid.isdigit() and parts:
+        return pid, parts, None
+    return pid, parts, probe.stderr.strip()[-500:] or "no patch reported"

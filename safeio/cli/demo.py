@@ -13,13 +13,12 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
-import os
 import sys
 import time
 from typing import Any
 
 from safeio.cli import _demo_table
-from safeio.cli._common import EXIT_OK, EXIT_PROBLEMS, CliError, positive_int, print_json
+from safeio.cli._common import EXIT_OK, EXIT_PROBLEMS, CliError, existing_directory, positive_int, print_json
 from safeio.cli._demo_env import Workspace, terminate_as_interrupt
 from safeio.cli._demo_run import DemoFailed, Run
 
@@ -81,8 +80,8 @@ def run(args: argparse.Namespace) -> int:
         raise CliError("--hazard-timeout must be between 0 and 30 seconds")
     if args.ranks > 64:
         raise CliError("--ranks: at most 64 ranks on one machine")
-    if args.tmpdir is not None and not os.path.isdir(args.tmpdir):
-        raise CliError(f"--tmpdir {args.tmpdir}: not a directory")
+    if args.tmpdir is not None:
+        existing_directory(args.tmpdir, what="--tmpdir")
     missing = [
         name for name in ("torch", "transformers", "tokenizers") if importlib.util.find_spec(name) is None
     ]

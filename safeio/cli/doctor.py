@@ -99,12 +99,14 @@ def run(args: argparse.Namespace) -> int:
 def _run_probes(path: str, peer_root: str | None, timeout: float) -> list[_probes.Probe]:
     name = sibling_name("safeio-doctor", "tmp")
     scratch = os.path.join(path, name)
-    try:
-        os.mkdir(scratch, 0o755)
-    except OSError as exc:
-        raise write_error(exc, path) from None
     peer: _probes.Peer | None = None
+    # The mkdir inside the clean-up's reach: a Ctrl-C delivered while it was blocked on a hung share
+    # raised as it returned, and left the scratch directory behind.
     try:
+        try:
+            os.mkdir(scratch, 0o755)
+        except OSError as exc:
+            raise write_error(exc, path) from None
         peer_scratch = scratch if peer_root is None else os.path.join(peer_root, name)
         if peer_root is not None:
             _await_peer_view(peer_root, peer_scratch, path, timeout)

@@ -26,11 +26,14 @@ from safeio._storage.names import LOCK_SUFFIX, parse
 from safeio.cli._common import (
     EXIT_OK,
     EXIT_PROBLEMS,
+    columns,
     existing_directory,
     human_bytes,
     parse_duration,
     print_json,
 )
+from safeio.cli._states import State
+from safeio.cli._states import fix as state_fix
 
 
 def add_parser(commands: Any, epilog: str) -> None:
@@ -66,8 +69,13 @@ class Report:
     dry_run: bool
     older_than: float | None
     actions: list[dict[str, Any]] = field(default_factory=list)
-    kept: list[dict[str, str]] = field(default_factory=list)
+    kept: list[dict[str, str | None]] = field(default_factory=list)
     errors: list[dict[str, str]] = field(default_factory=list)
+
+    def keep(self, path: str, state: State, detail: str, fix: str | None = None) -> None:
+        """A leftover gc leaves where it is: in what state, why, and (when it is a problem) what fixes it."""
+        shown = fix if fix is not None else state_fix(state, self.path)
+        self.kept.append({"path": path, "state": state, "detail": detail, "fix": shown})
 
     @property
     def freed(self) -> int:
@@ -133,12 +141,12 @@ def _collect(
     for action in actions:
         acted.add(action.path)
         if action.verb == "keep":  # another user's, or one this user may not remove: theirs, not an error
-            report.kept.append({"path": action.path, "reason": action.reason})
+            report.keep(action.path, State.ANOTHER_USERS, action.reason)
             continue
         if action.verb == "failed":
             report.errors.append({"path": action.path, "error": action.reason})
             continue
-        report.actions.append(_action_dict(action, dry_run))
+        report.actions.append(_action_dict(action, dry_run, _found(action.path)))
         if not dry_run and action.verb == "remove" and lstat_at(dir_fd, os.path.basename(action.path)):
             # remove_tree gave up: an NFS reader still holds a silly-renamed .nfs* file inside.
             report.actions[-1]["done"] = False
@@ -150,18 +158,34 @@ def _collect(
     for name in names:
         path = os.path.join(directory, name)
         sibling = parse(name)
-        if sibling is not None and path not in acted and lstat_at(dir_fd, name) is not None:
-            reason = staleness(sibling, directory, dir_fd, older_than, now, owners.of(sibling))[1]
-            report.kept.append({"path": path, "reason": reason})
+        found = lstat_at(dir_fd, name) if sibling is not None and path not in acted else None
+        if sibling is not None and found is not None:
+            owner_counts = owners.of(sibling)
+            reason = staleness(sibling, directory, dir_fd, older_than, now, owner_counts)[1]
+            state = State.ANOTHER_USERS if found.st_uid not in owner_counts else _found(path, kept=True)
+            report.keep(path, state, reason)
         elif sibling is None and _is_lock_name(name):
             _collect_lock(directory, dir_fd, name, report, older_than, dry_run, now)
 
 
-def _action_dict(action: Action, dry_run: bool) -> dict[str, Any]:
+def _found(path: str, *, kept: bool = False) -> State:
+    """What a leftover of a user whose leftovers gc may recover is, by its name: its save's process
+    alive (in progress), gone (stale), on another host; a version directory gc keeps is in use."""
+    sibling = parse(os.path.basename(path))
+    if sibling is None:
+        return State.STALE
+    if sibling.kind == "v":
+        return State.IN_USE if kept else State.STALE
+    alive = sibling.owner_is_alive()
+    return State.OTHER_HOST if alive is None else State.IN_PROGRESS if alive else State.STALE
+
+
+def _action_dict(action: Action, dry_run: bool, state: State) -> dict[str, Any]:
     return {
         "verb": action.verb,
         "path": action.path,
-        "reason": action.reason,
+        "state": state,
+        "detail": action.reason,
         "size": action.size,
         "done": not dry_run,
     }
@@ -187,47 +211,51 @@ def _collect_lock(
     owners = _lock_owners(dir_fd, name)
     if marker.st.st_uid not in owners:
         allowed = ", ".join(map(str, sorted(owners)))
-        report.kept.append(
-            {
-                "path": path,
-                "reason": f"lock owned by uid {marker.st.st_uid}, not uid {allowed}: left to its owner",
-            }
-        )
+        detail = f"lock owned by uid {marker.st.st_uid}, not uid {allowed}: left to its owner"
+        report.keep(path, State.ANOTHER_USERS, detail)
         return
     age = now - marker.st.st_mtime
     holder = marker.holder
+    alive = holder.alive() if holder is not None else False
+    state = (
+        State.DAMAGED if marker.damaged is not None else State.OTHER_HOST if alive is None else State.STALE
+    )
     if marker.damaged is not None:
         if stat.S_ISDIR(marker.st.st_mode) or older_than is None:
-            report.kept.append(
-                {"path": path, "reason": f"damaged: {marker.damaged} (pass --older-than to remove it)"}
-            )
+            detail = f"damaged: {marker.damaged} (pass --older-than to remove it)"
+            report.keep(path, state, detail, f"`safeio gc {report.path} --older-than 1h` removes it")
             return
         reason = f"damaged: {marker.damaged}, {age:.0f} s old"
     elif holder is None:
         return  # flock lock files stay: removing one a process holds would let a second holder in
-    elif holder.alive():
-        report.kept.append({"path": path, "reason": f"lock held by live pid {holder.pid}"})
+    elif alive:
+        report.keep(path, State.IN_PROGRESS, f"lock held by live pid {holder.pid}")
         return
-    elif holder.alive() is None:
+    elif alive is None:
         if older_than is None:
-            report.kept.append(
-                {"path": path, "reason": f"lock held on host {holder.host} (pass --older-than to break it)"}
-            )
+            report.keep(path, state, f"lock held on host {holder.host} (pass --older-than to break it)")
             return
         reason = f"soft lock of pid {holder.pid} on host {holder.host}, unrefreshed for {age:.0f} s"
     else:
         reason = f"soft lock of pid {holder.pid}, which is gone"
     if older_than is not None and age < older_than:
-        report.kept.append({"path": path, "reason": f"lock {age:.0f} s old, younger than --older-than"})
+        report.keep(path, state, f"lock {age:.0f} s old, younger than --older-than")
         return
     done = not dry_run
     if not dry_run:
         done = remove_if_unchanged(dir_fd, name, marker)
         if not done:
-            report.kept.append({"path": path, "reason": "lock changed hands while gc looked at it"})
+            report.keep(path, State.IN_PROGRESS, "lock changed hands while gc looked at it")
             return
     report.actions.append(
-        {"verb": "remove", "path": path, "reason": reason, "size": marker.st.st_size, "done": done}
+        {
+            "verb": "remove",
+            "path": path,
+            "state": state,
+            "detail": reason,
+            "size": marker.st.st_size,
+            "done": done,
+        }
     )
 
 
@@ -245,16 +273,25 @@ def _print(report: Report) -> None:
     if report.dry_run:
         verbs = {"remove": "would remove", "restore": "would restore", "roll-forward": "would roll forward"}
         verbs["skip"] = "would skip"
+    table = []
     for action in report.actions:
         verb = verbs.get(action["verb"], action["verb"])
         if not action["done"] and not report.dry_run:
             verb = "NOT removed"
         size = f" ({human_bytes(action['size'])})" if action["verb"] == "remove" else ""
-        print(f"{verb:<16} {action['path']}{size}: {action['reason']}")
+        table.append([verb, action["state"], f"{action['path']}{size}: {action['detail']}"])
     for kept in report.kept:
-        print(f"{'kept':<16} {kept['path']}: {kept['reason']}")
+        table.append(["kept", str(kept["state"]), f"{kept['path']}: {kept['detail']}"])
     for error in report.errors:
-        print(f"{'error':<16} {error['path']}: {error['error']}")
+        table.append(["error", "-", f"{error['path']}: {error['error']}"])
+    for line in columns(table):
+        print(line)
+    fixes: dict[str, int] = {}
+    for kept in report.kept:
+        if kept["fix"] is not None:
+            fixes[kept["fix"]] = fixes.get(kept["fix"], 0) + 1
+    for how, count in fixes.items():
+        print(f"fix ({count} kept): {how}")
     removed = sum(1 for a in report.actions if a["verb"] == "remove")
     if not report.actions:
         print(f"nothing to clean under {report.path}")

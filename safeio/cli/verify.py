@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import argparse
 import os
-import sys
 from typing import Any
 
 from safeio._promotion.backends import backend_for
 from safeio._storage import digests, manifest
-from safeio.cli._common import EXIT_OK, EXIT_PROBLEMS, print_json
+from safeio._storage.readers import TargetReader
+from safeio.cli._common import EXIT_OK, EXIT_PROBLEMS, not_a_directory, print_json
+from safeio.cli._entries import framework_marker
+from safeio.cli._states import State, fix
 from safeio.cli.verify_root import verify_root
 
 
@@ -39,22 +41,29 @@ def run(args: argparse.Namespace) -> int:
     backend = backend_for(args.path)  # InvalidTargetError (empty path, NUL byte) is bad input: exit 2
     shown = backend.url()
     reader = backend.reader()
+    absent = reader.absence()
+    if absent is not None:  # a path naming nothing is bad input, as for `ls` and `gc`
+        raise not_a_directory(args.path, absent)
     if reader.manifest() is None and backend.holds_checkpoints():
         return verify_root(backend.location.path, args)
     problems = reader.verify(check_hashes=not args.no_hashes)
-    record = reader.manifest() if reader.exists() else None
-    if problems and record is None and reader.exists():
-        problems = [reader.describe_missing_manifest()]
+    record = reader.manifest()
     unlisted: list[str] = []
     try:
         unlisted = reader.unlisted(record) if record else []
     except OSError as exc:  # a tree too deep to list, a directory that cannot be read
         where = os.path.join(shown, exc.filename) if isinstance(exc.filename, str) else shown
         problems = [*problems, f"{where}: {exc.strerror or exc}; its files were not checked"]
+    state, detail = _state(backend.location.path, reader, record, problems)
     checksums = _checksums(record) if record is not None and not args.no_hashes else []
+    if record is None:
+        problems = [] if state == State.UNMARKED_COMPLETE else [detail]
     report: dict[str, Any] = {
         "path": shown,
         "ok": not problems,
+        "state": state,
+        "detail": detail,
+        "fix": _fix(state, shown),
         "problems": problems,
         "files": len(record["files"]) if record else 0,
         "hashes_checked": bool(checksums),
@@ -68,18 +77,55 @@ def run(args: argparse.Namespace) -> int:
     return EXIT_OK if not problems else EXIT_PROBLEMS
 
 
+def _fix(state: State, shown: str) -> str | None:
+    """What fixes one target: saving it again (through safeio), which a checkpoint step refuses while a
+    directory it did not commit stands at its name."""
+    again = {State.DAMAGED: "save it again", State.UNMARKED_INCOMPLETE: "save it through safeio"}.get(state)
+    if again is None:
+        return fix(state, shown)
+    return f"{again}: the next safeio save of {shown} replaces it (a checkpoint step: move it away first)"
+
+
+def _state(
+    path: str, reader: TargetReader, record: dict[str, Any] | None, problems: list[str]
+) -> tuple[State, str]:
+    """The target's state in the words ``ls`` and ``gc`` use, and its detail."""
+    if record is not None:
+        if problems:
+            return State.DAMAGED, f"{len(problems)} problem(s) against its {manifest.MANIFEST_NAME}"
+        return State.COMMITTED, f"{len(record['files'])} file(s) match its {manifest.MANIFEST_NAME}"
+    if reader.marker_required:  # an object-store prefix: objects, and no commit marker
+        return State.UNCOMMITTED, reader.describe_missing_manifest()
+    if os.path.lexists(os.path.join(path, manifest.MANIFEST_NAME)):
+        return State.DAMAGED, reader.no_manifest_problem()
+    marker, _ranks = framework_marker(path)
+    if marker is None:
+        return State.UNMARKED_INCOMPLETE, (
+            f"{reader.no_manifest_problem()}, and no framework marker safeio knows says it is complete"
+        )
+    return State.UNMARKED_COMPLETE, (
+        f"complete by {marker}; safeio has no manifest of its files, so their sizes and contents were not "
+        "checked"
+    )
+
+
 def _checksums(record: dict[str, Any]) -> list[str]:
     """The kinds of checksum the manifest's entries hold (a merge may keep older sha256 entries)."""
     return sorted({name for entry in record["files"].values() for name in digests.recorded(entry)})
 
 
 def _print(report: dict[str, Any]) -> None:
-    if report["ok"]:
+    state, detail = report["state"], report["detail"]
+    if report["ok"] and state == State.COMMITTED:
         checked = f"sizes and {', '.join(report['checksums'])}" if report["checksums"] else "sizes"
         print(f"ok: {report['path']}: {report['files']} file(s) match the manifest ({checked})")
+    elif report["ok"]:
+        print(f"not checked: {report['path']}: {state}: {detail}")
     else:
-        print(f"FAILED: {report['path']}: {len(report['problems'])} problem(s)", file=sys.stdout)
+        print(f"FAILED: {report['path']}: {state}: {len(report['problems'])} problem(s)")
         for problem in report["problems"]:
             print(f"  {problem}")
     for rel in report["unlisted"]:
         print(f"  note: {rel} is not listed in the manifest")
+    if report["fix"] is not None:
+        print(f"  fix: {report['fix']}")

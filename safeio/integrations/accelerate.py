@@ -32,6 +32,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from safeio._checkpoints.checkpoints import Checkpoint, Checkpoints
+from safeio._errors import UnsupportedSaveError
 from safeio._saves.torch import torch_save
 from safeio.integrations._accelerate_files import is_complete_for
 
@@ -49,7 +50,7 @@ def checkpoints_for(
     (``pointer=False``): accelerate's own ``load_state()`` and ``total_limit`` rotation list that
     directory and take a number from every name in it (an ``IndexError`` on ``latest``), so a run
     without safeio afterwards reads it as accelerate left it."""
-    config = accelerator.project_configuration
+    config = _configuration(accelerator)
     where = root if root is not None else os.path.join(accelerator.project_dir or ".", "checkpoints")
     return Checkpoints(
         where,
@@ -59,6 +60,17 @@ def checkpoints_for(
         durable=durable,
         pointer=False,
     )
+
+
+def _configuration(accelerator: Any) -> Any:
+    """The accelerator's project configuration; an UnsupportedSaveError (a TypeError) naming what was
+    passed when it is no ``accelerate.Accelerator`` (an AttributeError from deep inside, before)."""
+    config = getattr(accelerator, "project_configuration", None)
+    if config is None or not callable(getattr(accelerator, "save_state", None)):
+        raise UnsupportedSaveError(
+            f"expected an accelerate.Accelerator, got {type(accelerator).__name__} {accelerator!r}", None
+        )
+    return config
 
 
 class _TorchSavingReplicatedOnce(types.ModuleType):
@@ -110,8 +122,8 @@ def committed_save_state(
     ``save_state(dir)``), and what it holds already — nothing, or files the script wrote there, a
     tokenizer say — stays in the committed step, under what accelerate writes (see
     ``Checkpoints.save``), as accelerate writes into it."""
+    config = _configuration(accelerator)
     ckpts = ckpts if ckpts is not None else checkpoints_for(accelerator)
-    config = accelerator.project_configuration
     step = accelerator.save_iteration if step is None else step
     naming = config.automatic_checkpoint_naming
     config.automatic_checkpoint_naming = False  # Checkpoints names, stages and retires the directories
@@ -153,6 +165,7 @@ def load_state(
     ``accelerator.load_state`` reads is there, every rank's ``random_states_<r>.pkl`` and each
     ``torch.save`` archive whole); skipped, with a WARNING naming it, when not. The returned
     ``Checkpoint`` then has ``committed=False``."""
+    _configuration(accelerator)
     ckpts = ckpts if ckpts is not None else checkpoints_for(accelerator)
     found = ckpts.latest(unmarked=lambda path: is_complete_for(accelerator, path))
     if found is not None:

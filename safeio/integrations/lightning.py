@@ -26,7 +26,7 @@ from typing import Any
 from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
 from lightning.pytorch.callbacks import ModelCheckpoint
 
-from safeio._errors import InvalidTargetError
+from safeio import InvalidOptionError, InvalidTargetError, UnsupportedSaveError
 from safeio._promotion.backends import backend_for
 from safeio._saves.atomic import atomic_open
 from safeio._storage.claims import claimed
@@ -44,24 +44,28 @@ class SafeCheckpointIO(TorchCheckpointIO):
 
     def __init__(self, *, durable: bool = True) -> None:
         super().__init__()
+        if not isinstance(durable, bool):  # refused here, not at the first checkpoint
+            raise InvalidOptionError(f"durable must be True or False, got {durable!r}", None)
         self.durable = durable
 
     def save_checkpoint(
         self, checkpoint: dict[str, Any], path: Any, storage_options: Any | None = None
     ) -> None:
-        if storage_options is not None:
-            raise TypeError(
-                f"SafeCheckpointIO.save_checkpoint takes no storage_options, got {storage_options!r}"
+        backend = backend_for(path)  # a path that is none (None, a number) is refused here, named
+        if storage_options is not None:  # a TypeError, as TorchCheckpointIO's own refusal
+            raise UnsupportedSaveError(
+                f"SafeCheckpointIO.save_checkpoint takes no storage_options, got {storage_options!r} for "
+                f"{backend.url()}",
+                backend.url(),
             )
         import torch
 
-        target = os.fspath(path)
-        backend_for(target).make_parent()
-        with atomic_open(target, "wb", durable=self.durable) as f:
+        backend.make_parent()
+        with atomic_open(path, "wb", durable=self.durable) as f:
             torch.save(checkpoint, f)
 
     def remove_checkpoint(self, path: Any) -> None:
-        backend_for(os.fspath(path)).remove_file(durable=self.durable)
+        backend_for(path).remove_file(durable=self.durable)
 
 
 class SafeModelCheckpoint(ModelCheckpoint):

@@ -56,6 +56,7 @@ from typing import Any
 from safeio._checkpoints.checkpoints import Checkpoints
 from safeio._coordination.group import Group
 from safeio._errors import InvalidTargetError, UnsupportedSaveError
+from safeio._options import seconds
 from safeio._promotion import active
 from safeio._storage.dirfd import held_directory
 from safeio._storage.metadata import read_json
@@ -261,6 +262,8 @@ class CheckpointsTrainerMixin:
 
     def __init__(self, *args: Any, safeio_timeout: float | None = None, **kwargs: Any) -> None:
         _check_trainer(type(self))
+        if safeio_timeout is not None:  # refused now, not at the first checkpoint hours into the run
+            seconds(safeio_timeout, "safeio_timeout")
         self.safeio_timeout = safeio_timeout
         super().__init__(*args, **kwargs)
 

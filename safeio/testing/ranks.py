@@ -11,6 +11,7 @@ import contextlib
 import multiprocessing as mp
 import os
 import queue
+import signal
 import socket
 import time
 import traceback
@@ -157,9 +158,11 @@ def run_ranks(
                 continue
             collected[rank] = RankResult(rank, value, error, tb)
     finally:
-        for proc in procs:
+        timed_out = set()
+        for rank, proc in enumerate(procs):
             proc.join(timeout=max(0.0, min(5.0, deadline - time.monotonic())))
             if proc.is_alive():
+                timed_out.add(rank)
                 proc.kill()
                 proc.join(5)
         results.close()
@@ -168,11 +171,25 @@ def run_ranks(
         if rank in collected:
             out.append(collected[rank])
         else:
-            reason = "timed out" if proc.exitcode in (None, -9) else f"exited with code {proc.exitcode}"
+            # A rank killed from outside is not one that timed out (the demo called a rank killed by
+            # SIGKILL "timed out", issue 36): only the ranks killed here at the deadline did.
+            reason = "timed out" if rank in timed_out else exit_reason(proc.exitcode)
             out.append(RankResult(rank, None, TimeoutError(f"rank {rank} {reason} without reporting"), ""))
     if check and not all(r.ok for r in out):
         raise RanksFailed(describe(out))
     return out
+
+
+def exit_reason(code: int | None) -> str:
+    """How a process ended, from its ``exitcode``: "was killed by SIGKILL", "exited with code 3"."""
+    if code is None:
+        return "did not exit"
+    if code < 0:
+        try:
+            return f"was killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"was killed by signal {-code}"
+    return f"exited with code {code}"
 
 
 def describe(results: list[RankResult]) -> str:

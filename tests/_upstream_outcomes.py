@@ -1,6 +1,7 @@
 """pytest plugin for another project's suite run in a subprocess: every test's outcome, written as JSON.
 
-Loaded with ``-p tests._upstream_outcomes --outcomes-json PATH``; ``--outcomes-probe module:attribute``
+Loaded with ``-p <this module> --outcomes-json PATH`` (tests/_upstream_suites.py copies it under a name
+of its own: a suite's own ``tests`` package would hide this one); ``--outcomes-probe module:attribute``
 (repeatable) also records what that name is in the run (its module and qualified name, or a module's
 file), so the caller can check which implementation the suite really exercised.
 """
@@ -72,7 +73,11 @@ def _describe(probe: str) -> str:
         return str(getattr(value, "__file__", value))
     for part in attribute.split("."):
         value = getattr(value, part)
-    return f"{value.__module__}.{value.__qualname__}"
+    described = f"{value.__module__}.{value.__qualname__}"
+    if hasattr(value, "__wrapped__") and hasattr(value, "__code__"):
+        # functools.wraps copies the name and module: the wrapper's own code says whose it is.
+        described += f" (wrapped in {value.__code__.co_filename})"
+    return described
 
 
 def pytest_configure(config: pytest.Config) -> None:

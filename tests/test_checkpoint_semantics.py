@@ -64,7 +64,7 @@ def _fail_retention_once() -> None:
 
     real = LocalSteps._retire
 
-    def failing(self: LocalSteps, root_fd: int, retired: list[Any]) -> None:
+    def failing(self: LocalSteps, root_fd: int, retired: list[Any], replaced: list[str]) -> None:
         LocalSteps._retire = real  # type: ignore[method-assign]
         raise OSError(errno.EIO, "injected: the retired step could not be renamed aside")
 

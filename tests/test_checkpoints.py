@@ -258,8 +258,6 @@ def test_retention_keeps_the_newest_and_never_an_uncommitted_step(tmp_path: Path
     assert (root / "latest").read_text() == "checkpoint-30"
     with pytest.raises(safeio.InvalidTargetError, match="not a committed checkpoint"), ckpts.save(40):
         pass
-    with pytest.raises(safeio.TargetExistsError), ckpts.save(30):
-        pass
     assert ckpts.steps() == [20, 30]
 
 
@@ -268,7 +266,7 @@ def _done(path: str) -> bool:
     return os.path.exists(os.path.join(path, "done"))
 
 
-def test_a_save_moves_aside_only_this_users_unfinished_step_written_without_safeio(
+def test_a_save_moves_aside_only_this_users_step_written_without_safeio(
     shared_dir: Path, caplog: Any
 ) -> None:
     root = shared_dir / "ckpts"
@@ -294,8 +292,14 @@ def test_a_save_moves_aside_only_this_users_unfinished_step_written_without_safe
     assert f"{root}/checkpoint-5 was written without safeio" in caplog.text
     assert f"moved aside to {root}/{aside[0]}" in caplog.text
     assert safeio.verify(root / "checkpoint-5") == [] and ckpts.committed() == [(5, "checkpoint-5")]
-    # Complete by its marker, no judgement given, another user's, a damaged commit: refused, untouched.
-    for step, judge in [(6, _done), (7, None), (8, _done), (9, _done)]:
+    # Complete by its marker (a plain run's checkpoint of a step this run saves again): moved aside too.
+    with ckpts.save(6, unmarked=_done) as ckpt:
+        Path(ckpt.path, "weights.bin").write_bytes(b"new")
+    previous = [n for n in os.listdir(root) if n.startswith("previous-checkpoint-6.")]
+    assert len(previous) == 1 and (root / previous[0] / "done").read_bytes() == b"plain", os.listdir(root)
+    assert f"{root}/checkpoint-6 was written without safeio and is complete" in caplog.text
+    # No judgement given, another user's: refused, untouched.
+    for step, judge in [(7, None), (8, _done)]:
         before = sorted(os.listdir(root / f"checkpoint-{step}"))
         with (
             pytest.raises(safeio.InvalidTargetError, match=f"checkpoint-{step} exists"),
@@ -303,7 +307,15 @@ def test_a_save_moves_aside_only_this_users_unfinished_step_written_without_safe
         ):
             pass
         assert sorted(os.listdir(root / f"checkpoint-{step}")) == before
-    assert len([n for n in os.listdir(root) if n.startswith("incomplete-")]) == 1
+    # This user's commit, damaged since: a commit of the step all the same, replaced by the new one.
+    with ckpts.save(9, unmarked=_done) as ckpt:
+        Path(ckpt.path, "weights.bin").write_bytes(b"again")
+    ckpts.wait()
+    assert (
+        safeio.verify(root / "checkpoint-9") == []
+        and (root / "checkpoint-9" / "weights.bin").read_bytes() == b"again"
+    )
+    assert len([n for n in os.listdir(root) if n.startswith(("incomplete-", "previous-"))]) == 2
 
 
 def test_write_pointer_replaces_atomically(tmp_path: Path) -> None:

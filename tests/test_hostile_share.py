@@ -26,7 +26,10 @@ import pytest
 from safeio.testing.nfslike import Mount, fuse_unavailable_reason
 from safeio.testing.pytest_plugin import skip_or_fail
 from tests import _hostile_cases as hostile
-from tests import _hostile_cases_round2  # noqa: F401 - registers issue 25's cases into hostile.CASES
+from tests import (
+    _hostile_cases_round2,  # noqa: F401 - registers issue 25's cases into hostile.CASES
+    _hostile_cases_round3,  # noqa: F401 - and issue 34's
+)
 
 NOBODY = 65534
 CHILD_SECONDS = 600

@@ -123,11 +123,9 @@ def test_save_state_commits_once_and_resumes(nfslike_mount: Mount) -> None:
     for r in results:
         assert r.value == {"resumed": None, "latest": 2, "same": True, "error": None}, r
     ckpts = Path(root, "checkpoints")
-    assert sorted(n for n in os.listdir(ckpts) if not n.startswith(".")) == [
-        "checkpoint_1",
-        "checkpoint_2",
-        "latest",
-    ]
+    # accelerate's own layout, nothing else: its load_state() and total_limit rotation take a number from
+    # every name there (a `latest` made a later run without safeio raise IndexError).
+    assert sorted(os.listdir(ckpts)) == ["checkpoint_1", "checkpoint_2"]
     files = sorted(os.listdir(ckpts / "checkpoint_2"))
     assert {"random_states_0.pkl", "random_states_1.pkl", "scaler.pt", "model.safetensors"} <= set(files), (
         files
@@ -150,7 +148,6 @@ def test_a_rank_killed_in_save_state_leaves_the_previous_checkpoint(shared_dir: 
     assert sorted(n for n in os.listdir(Path(root, "checkpoints")) if not n.startswith(".")) == [
         "checkpoint_0",
         "checkpoint_1",
-        "latest",
     ]
     # The restarted job resumes from checkpoint_1, loads exactly it, and saves checkpoint_2 anew.
     results = run_ranks(_loop, 2, root, 1, None, timeout=300)

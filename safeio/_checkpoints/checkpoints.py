@@ -6,9 +6,10 @@ files through safeio's saves, which the writer alone makes, straight into the st
 skip them and get the writer's result). On leaving, every rank reports its part; the writer waits for all
 reports, bounded; when durable, every rank syncs a share of the stage's files at once (``FsyncShares``);
 the writer writes the manifest of every file (the commit marker), fsyncs it and the directories, renames
-the stage to the final name, points ``latest`` at the newest committed step, applies retention, and
-publishes the outcome. Every rank returns once the step is visible from it, or raises `CheckpointError`
-naming the ranks that failed or never reported; then nothing is committed and ``latest`` is unchanged.
+the stage to the final name (replacing an earlier commit of the step), points ``latest`` at the newest
+committed step (unless ``pointer=False``), applies retention, and publishes the outcome. Every rank
+returns once the step is visible from it, or raises `CheckpointError` naming the ranks that failed or
+never reported; then nothing is committed and ``latest`` is unchanged.
 
 ``latest()``/``steps()`` are resolved by the writer and published, so ranks whose NFS caches disagree
 still get one answer, each returning once that step is visible from it.
@@ -46,7 +47,14 @@ from safeio._errors import CheckpointError, InvalidOptionError, InvalidTargetErr
 from safeio._options import SaveOptions
 from safeio._promotion import active
 from safeio._promotion.backends import backend_for
-from safeio._promotion.steps import LATEST, MEGATRON_TRACKER, StepNames, StepPromotion, check_step
+from safeio._promotion.steps import (
+    LATEST,
+    MEGATRON_TRACKER,
+    ExistingDirectory,
+    StepNames,
+    StepPromotion,
+    check_step,
+)
 from safeio._storage.dirfd import fsync_files, held_directory, is_relative_name
 from safeio._storage.fsops import discard_tree
 from safeio._who import who
@@ -90,6 +98,14 @@ class CheckpointStage:
         ``latest`` pointer, retention), each with its repair. Empty when all went well."""
         return list(self._save.warnings)
 
+    def retire(self, *names: str) -> None:
+        """A framework with a retention of its own (the Trainer's ``save_total_limit`` rotation) decided
+        that these committed steps (directory names or paths) go: they are retired after this step is
+        committed, as ``keep`` retires steps (renamed aside under the root's lock, deleted after it), never
+        the step being saved, a protected one, or one this user did not commit. Only the writer's call
+        counts (``ckpt.is_writer``), made inside the ``with`` block."""
+        self._save.retire_names.update(os.path.basename(os.fspath(n).rstrip("/")) for n in names)
+
     def commit_after(self, future: Any) -> None:
         """Commit when ``future`` completes, not when the ``with`` block ends: for ``dcp.async_save``
         (its ``Future`` or ``AsyncSaveResponse``). Every rank calls it. The commit runs on a background
@@ -105,7 +121,12 @@ class Checkpoints:
 
     ``keep``: how many of the most recent commits retention keeps (default 3; None: all).
     ``keep_given`` says whether it was passed: the accelerate adapter applies the script's own
-    ``total_limit`` to a ``Checkpoints`` given none."""
+    ``total_limit`` to a ``Checkpoints`` given none.
+
+    ``pointer=False`` (a framework's own directory, whose listing its users and tests read: the
+    integrations pass it) creates no file in the root besides the steps: neither the ``latest`` pointer
+    nor ``.checkpoints.safeio.sequence`` (commit order is then read from the steps' markers); where the
+    root has them already, they are kept current."""
 
     def __init__(
         self,
@@ -118,12 +139,15 @@ class Checkpoints:
         durable: bool = True,
         lock: bool | str = "auto",
         megatron_tracker: bool = False,
+        pointer: bool = True,
     ) -> None:
         backend = backend_for(root)
         _check_keep(keep, root)
         names = StepNames(name, backend.url())
         self.options = SaveOptions.of(timeout=timeout, durable=durable, lock=lock)
-        self._steps = backend.steps(names, self.options, keep=keep, megatron_tracker=megatron_tracker)
+        self._steps = backend.steps(
+            names, self.options, keep=keep, megatron_tracker=megatron_tracker, pointer=pointer
+        )
         self.root = self._steps.root_url
         self.keep_given = keep is not DEFAULT_KEEP  # see DEFAULT_KEEP
         self.names = names
@@ -150,18 +174,29 @@ class Checkpoints:
         *,
         protect: Iterable[str] = (),
         unmarked: Callable[[str], bool] | None = None,
+        placeholder: Callable[[str], bool] | None = None,
+        adopt: bool = False,
     ) -> CheckpointSave:
         """``with ckpts.save(step) as ckpt`` on every rank. Retention after this commit never removes a
         checkpoint named in ``protect`` (directory names or paths: e.g. a Trainer's best model).
 
-        ``unmarked``: the framework's judgement ``latest(unmarked=...)`` takes. A directory written
-        without safeio that stands at this step's name (a killed save of the step from before safeio)
-        and is incomplete by it is moved aside to ``incomplete-<name>.<UTC time>`` beside it, kept, with
-        a WARNING naming both paths, and the step is committed. Without it, or for a complete one,
-        another user's, or one with a safeio marker, the save raises ``InvalidTargetError`` naming it
-        (safeio never deletes or replaces what it did not write). Object stores always refuse."""
+        A step this user committed already (a rollback, a re-run into the same root) is committed anew:
+        on POSIX the new version replaces the old one at the commit (exchanged, or renamed aside where
+        the filesystem refuses exchange), which stays whole until then; the new one is the latest. On an
+        object store there is no rename to replace a step whole: ``TargetExistsError``, before the body.
+
+        A directory of this user's without any safeio marker at the step's name is the framework's or
+        the script's (see ``ExistingDirectory``): ``unmarked`` — the framework's judgement
+        ``latest(unmarked=...)`` takes — moves it aside, kept, with a WARNING naming both paths:
+        ``incomplete-<name>.<UTC time>`` (a killed save of the step from before safeio) or, complete,
+        ``previous-<name>.<UTC time>``; ``placeholder(path)`` true: the framework made it to mark this
+        save in progress and the commit replaces it; ``adopt``: the script saves into a directory of its
+        own, whose files are kept in the committed step under what the save wrote. Anything else —
+        without those, another user's, one with another step's marker — raises ``InvalidTargetError``
+        naming it (safeio never deletes what it did not write). Object stores always refuse."""
         protected = [os.path.basename(os.fspath(p).rstrip("/")) for p in protect]
-        return CheckpointSave(self, check_step(step, self.root), protected, unmarked)
+        existing = ExistingDirectory(unmarked=unmarked, placeholder=placeholder, adopt=adopt)
+        return CheckpointSave(self, check_step(step, self.root), protected, existing)
 
     def wait(self) -> None:
         """Wait for the commit of an async save (``ckpt.commit_after``); raise if it failed. Every rank
@@ -241,25 +276,54 @@ class Checkpoints:
             )
         return []
 
-    def at(self, step: int) -> Checkpoint:
+    def at(self, step: int, *, unmarked: Callable[[str], bool] | None = None) -> Checkpoint:
         """Committed step ``step``, to resume from on purpose (a rollback), agreed by every rank like
         ``latest()``; ``InvalidTargetError`` naming the committed steps when it is not one. Saving after
-        it makes the new step the latest."""
+        it makes the new step the latest.
+
+        ``unmarked``: a step directory of this user's written without safeio (no marker) is not refused
+        when the framework's own judgement ``unmarked(path)`` says it is complete: returned with
+        ``committed=False``, with a WARNING (logged by the writer, which judges it for every rank)."""
         self.wait()
         check_step(step, self.root)
         name = self.names.format(step)
 
+        def not_committed() -> InvalidTargetError:
+            steps = ", ".join(str(s) for s, _ in self._steps.committed()) or "none"
+            written = " nor a complete one written without safeio" if unmarked is not None else ""
+            return InvalidTargetError(
+                f"step {step} is not a committed checkpoint under {self.root}{written} (committed steps: "
+                f"{steps})",
+                self._steps.url(name),
+            )
+
         def here() -> list[tuple[int, str]]:
-            if self._steps.committed_step(name) is None:
-                steps = ", ".join(str(s) for s, _ in self._steps.committed()) or "none"
-                raise InvalidTargetError(
-                    f"step {step} is not a committed checkpoint under {self.root} (committed steps: {steps})",
-                    self._steps.url(name),
-                )
+            if self._steps.committed_step(name) is not None:
+                return [(step, name)]
+            if unmarked is None:
+                raise not_committed()
+            return []
+
+        if self._agree(f"at({step})", here):
+            return Checkpoint(step, self._steps.url(name))
+        assert unmarked is not None
+
+        def judged_here() -> list[tuple[int, str]]:
+            path = self._steps.url(name)
+            if not (self._steps.unmarked_step(name) and unmarked(path)):
+                raise not_committed()
+            logger.warning(
+                "%s: loading %s, which safeio did not commit (written without safeio; complete by its "
+                "framework's own judgement)",
+                who(self.group().rank),
+                path,
+            )
             return [(step, name)]
 
-        self._agree(f"at({step})", here)
-        return Checkpoint(step, self._steps.url(name))
+        self._agree(
+            f"at({step}) of an unmarked step", judged_here, visible=lambda n: self._steps.reader(n).exists()
+        )
+        return Checkpoint(step, self._steps.url(name), committed=False)
 
     def steps(self) -> list[int]:
         """Every committed step of this user, by number (ascending), the same on every rank. The order of
@@ -338,12 +402,13 @@ class CheckpointSave:
         checkpoints: Checkpoints,
         step: int,
         protect: list[str],
-        unmarked: Callable[[str], bool] | None = None,
+        existing: ExistingDirectory | None = None,
     ) -> None:
         self.ckpts = checkpoints
         self.step = step
         self.protect = protect
-        self.unmarked = unmarked
+        self.existing = existing or ExistingDirectory()
+        self.retire_names: set[str] = set()  # CheckpointStage.retire (the writer's count)
         self.final_name = checkpoints.names.format(step)
         self.final = checkpoints.path_of(self.final_name)
         self.stage_name = ""
@@ -373,7 +438,7 @@ class CheckpointSave:
         if group.is_writer:
             try:
                 self._promotion = steps.promotion(
-                    self.step, rank=group.rank, protect=self.protect, unmarked=self.unmarked
+                    self.step, rank=group.rank, protect=self.protect, existing=self.existing
                 )
                 self._stage = self._promotion.open_stage()
                 self.stage_name = self._promotion.stage_name
@@ -527,6 +592,7 @@ class CheckpointSave:
         try:
             # The stage the writer's replicated files are in: the shared one, or scratch (uploaded).
             shares = FsyncShares(self.call, self.timeout) if self._syncs else None
+            promotion.retire_also.update(self.retire_names)
             promoted = promotion.finish_step(self._scratch or self._stage, shares)
         except BaseException as commit_error:
             _abandon(promotion)

@@ -45,10 +45,10 @@ from safeio._promotion.local import LocalPromotion
 from safeio._promotion.merge import Merge
 from safeio._promotion.step_directories import ROOT_LOCK, LocalSteps
 from safeio._promotion.step_prefixes import ObjectSteps
-from safeio._promotion.steps import LATEST, StepNames, StepStorage
+from safeio._promotion.steps import LATEST, SEQUENCE, StepNames, StepStorage
 from safeio._promotion.versioned import Versioned
 from safeio._storage.claims import claimed
-from safeio._storage.dirfd import held_directory, lstat_at
+from safeio._storage.dirfd import held_directory, is_component, lstat_at
 from safeio._storage.fsops import remove_at
 from safeio._storage.location import Location, resolve
 from safeio._storage.locking import lock_path_for
@@ -97,6 +97,7 @@ class Backend(ABC):
         *,
         keep: int | None,
         megatron_tracker: bool = False,
+        pointer: bool = True,
     ) -> StepStorage:
         """The steps of a ``Checkpoints`` root at this location."""
 
@@ -168,8 +169,11 @@ class PosixBackend(Backend):
         *,
         keep: int | None,
         megatron_tracker: bool = False,
+        pointer: bool = True,
     ) -> StepStorage:
-        return LocalSteps(self.location, names, options, keep=keep, megatron_tracker=megatron_tracker)
+        return LocalSteps(
+            self.location, names, options, keep=keep, megatron_tracker=megatron_tracker, pointer=pointer
+        )
 
     def make_parent(self) -> None:
         os.makedirs(self.location.parent, exist_ok=True)
@@ -197,7 +201,20 @@ class PosixBackend(Backend):
     def holds_checkpoints(self) -> bool:
         path = self.location.path
         # Anything under ``latest`` (a FIFO, a link planted there): the root's check reports it.
-        return os.path.lexists(os.path.join(path, LATEST)) or os.path.lexists(lock_path_for(path, ROOT_LOCK))
+        if any(os.path.lexists(p) for p in (os.path.join(path, LATEST), os.path.join(path, SEQUENCE))):
+            return True
+        if os.path.lexists(lock_path_for(path, ROOT_LOCK)):
+            return True
+        # A root kept without pointer files (a framework's own directory): a step marker below it.
+        try:
+            names = os.listdir(path)
+        except OSError:
+            return False
+        for name in names:
+            sub = os.path.join(path, name)
+            if is_component(name) and LocalReader(Location(sub, sub)).committed_marker(check_files=False):
+                return True
+        return False
 
 
 class ObjectStoreBackend(Backend):
@@ -229,8 +246,11 @@ class ObjectStoreBackend(Backend):
         *,
         keep: int | None,
         megatron_tracker: bool = False,
+        pointer: bool = True,
     ) -> StepStorage:
-        return ObjectSteps(self.location, names, options, keep=keep, megatron_tracker=megatron_tracker)
+        return ObjectSteps(
+            self.location, names, options, keep=keep, megatron_tracker=megatron_tracker, pointer=pointer
+        )
 
     def make_parent(self) -> None:
         pass  # prefixes need no directory

@@ -151,7 +151,11 @@ class Merge(LocalPromotion):
         pfd = leftover.parent_fd
         try:
             stage_fd = open_directory(leftover.name, dir_fd=pfd)
-        except OSError:
+        except OSError as exc:
+            if exc.errno in (errno.EACCES, errno.EPERM):
+                # Another user's stage closed to others (a failed merge's is 0700): whether it holds a
+                # merge to complete cannot be told, so it is not taken for a plain stale stage.
+                raise
             return None  # not a directory (a planted link or file): removed like any stale sibling
         try:
             raw = _read_intent(stage_fd)

@@ -3,13 +3,15 @@
 The writer makes ``.step_N.safeio-stage-<owner>`` beside the step's final name (``StepRename.open_stage``,
 the same stage any directory save makes); every rank writes its part there. The commit is that
 promotion's ``finish``: the stage is checked to be the directory the writer made, its modes settled, and
-under the root's lock (``.checkpoints.safeio.lock``, the ``lock`` option) the next sequence number is
-given (``.checkpoints.safeio.sequence``), the manifest of every file written last with the step and the
-sequence in it (the marker), fsynced as configured, and the stage renamed to ``step_N``: the commit
-point. Then, still under the lock, ``latest`` is pointed at it and retired steps are renamed aside; they
-are deleted after, on a background thread, without the lock. A failure after the rename is a warning:
-the step is committed. Stages of crashed saves are removed by the next save (or ``safeio gc``), never
-one whose owner may be alive.
+under the root's lock (the ``lock`` option: a flock on the root directory itself locally, a lease marker
+``.checkpoints.safeio.lock`` on a network filesystem) the next sequence number is given (recorded in
+``.checkpoints.safeio.sequence`` where the root keeps pointers), the manifest of every file written last
+with the step and the sequence in it (the marker), fsynced as configured, and the stage renamed to
+``step_N`` — exchanged with what stands there when the step is committed already, or renamed aside where
+exchange is refused: the commit point. Then, still under the lock, ``latest`` is pointed at it and
+retired steps (and a replaced old version) are renamed aside; they are deleted after, on a background
+thread, without the lock. A failure after the rename is a warning: the step is committed. Stages of
+crashed saves are removed by the next save (or ``safeio gc``), never one whose owner may be alive.
 """
 
 from __future__ import annotations
@@ -19,29 +21,33 @@ import logging
 import os
 import stat
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 from safeio._boundary import os_failure
 from safeio._errors import InvalidTargetError, PromotionError, SafeIOError, TargetExistsError
+from safeio._options import exchange_disabled
+from safeio._promotion.aside import RenameAside
 from safeio._promotion.atomic_file import AtomicFile
 from safeio._promotion.base import Promoted
+from safeio._promotion.exchange import ExchangeRename
 from safeio._promotion.leftovers import recover_directory
-from safeio._promotion.local import LocalPromotion
 from safeio._promotion.steps import (
     LATEST,
     MEGATRON_TRACKER,
     SEQUENCE,
     CommittedStep,
+    ExistingDirectory,
     SharedFsyncs,
     StepNames,
     StepPromotion,
     StepStorage,
 )
-from safeio._storage import claims
+from safeio._storage import claims, manifest
 from safeio._storage.dirfd import fsync_files, held_directory, is_component, lstat_at
-from safeio._storage.fsops import remove_at
+from safeio._storage.fsops import carry_missing, remove_at
 from safeio._storage.location import Location
+from safeio._storage.locking import held, lock_path_for, make_lock
 from safeio._storage.names import parse, sibling_name
 from safeio._storage.posix import rename_noreplace
 from safeio._storage.readers import LocalReader, read_pointer
@@ -53,26 +59,53 @@ ROOT_LOCK = "checkpoints"  # one promotion lock per root: ``.checkpoints.safeio.
 _SEQUENCE_CAP = 64  # bytes: a decimal number
 
 
-class StepRename(LocalPromotion, StepPromotion):
-    """One step's commit: the stage renamed to the step's name, which must not exist."""
+class StepRename(ExchangeRename, StepPromotion):
+    """One step's commit: the stage renamed to the step's name. What stands there already — this user's
+    commit of the same step (a rollback, a re-run into the same root), or a directory the caller's
+    ``ExistingDirectory`` lets the commit replace — is swapped out at the commit, as a directory save
+    replaces its target (``renameat2`` exchange, or renamed aside where the filesystem refuses it): the
+    old version stays whole under the name until the new one takes it, and is then deleted like a
+    retired step, after the lock."""
 
     hashes_when_durable = False
 
     def __init__(
-        self, location: Location, *, steps: LocalSteps, protect: frozenset[str], **save: Any
+        self,
+        location: Location,
+        *,
+        steps: LocalSteps,
+        protect: frozenset[str],
+        existing: ExistingDirectory,
+        **save: Any,
     ) -> None:
         # No recovery of the step's own siblings under the lock: the only ones a step has are stages,
         # and the root's dead ones were recovered when this process opened its first stage there.
         super().__init__(location, recover=_nothing_to_recover, **save)
         self._steps = steps
         self._protect = protect
+        self._existing = existing
         self._renamed = False
         self._fsyncs: SharedFsyncs | None = None
         self.shares_fsyncs = self.options.durable
+        self._replaced: list[str] = []  # old versions renamed aside, deleted after the commit
+        self.retire_also: set[str] = set()  # steps the framework's own retention chose (see retire())
 
     def finish_step(self, stage: str, fsyncs: SharedFsyncs | None = None) -> Promoted:
         self._fsyncs = fsyncs
+        if self._existing.adopt:
+            self._adopt_existing()
         return self.finish(stage)
+
+    def _adopt_existing(self) -> None:
+        """``ExistingDirectory.adopt``: the files of the directory the script saves into are kept in the
+        committed step, where the save wrote nothing of the same name (its files win) — also when it is
+        an earlier commit of the step: a tokenizer the script wrote there before its first save stays."""
+        found = lstat_at(self.parent_fd, self.name)
+        if found is None or not self._steps.replaceable(self.name, found, self._existing):
+            return
+        with held_directory(self.name, dir_fd=self.parent_fd) as existing_fd:
+            carried = carry_missing(existing_fd, self.stage_fd, skip=_not_content)
+        logger.debug("%s: %d file(s) of %s kept in step %s", who(self.rank), carried, self.target, self.step)
 
     def _files_synced_in_walk(self) -> bool:
         return self._fsyncs is None or not self.options.manifest  # else shared out: _sync_files
@@ -96,11 +129,35 @@ class StepRename(LocalPromotion, StepPromotion):
             )
 
     def check_target(self) -> None:
-        if self._target_stat() is not None:
-            raise TargetExistsError(f"step {self.step} appeared at {self.target} meanwhile", self.target)
+        found = self._target_stat()
+        if found is None:
+            return
+        if self._steps.replaceable(self.name, found, self._existing):
+            return
+        raise TargetExistsError(
+            f"{self.target} appeared meanwhile and is not a step safeio may replace (a commit of this "
+            "user's, or a directory the save was told it may replace); nothing was committed",
+            self.target,
+        )
 
     def lock_name(self) -> str:
         return ROOT_LOCK  # the root's entries (the sequence, latest, retention) change with every commit
+
+    @contextlib.contextmanager
+    def _locked(self) -> Iterator[None]:
+        # The root directory itself is locked (a flock on it, locally): no lock file is left in a
+        # framework's own directory, whose listing its users and tests read. Network filesystems take a
+        # lease, whose marker stands only while the commit holds it.
+        lock = make_lock(
+            lock_path_for(self.parent, self.lock_name()),
+            self.options.lock,
+            self.lock_timeout(),
+            self.options.lease_seconds,
+            parent_fd=self.parent_fd,
+            on_directory=True,
+        )
+        with held(lock, self.target, self.rank):
+            yield
 
     def _promote_unlocked(self, stage: str, entries: dict[str, dict[str, Any]]) -> bool:
         return False  # the sequence, latest and retention need the root's lock even for a new step
@@ -115,14 +172,40 @@ class StepRename(LocalPromotion, StepPromotion):
             self.warnings.append(f"the root {self.parent} could not be synced after the commit ({exc})")
         committed = CommittedStep(int(self.step or 0), self.name, self.sequence)
         self._steps.remember(committed)
-        self.warnings.extend(self._steps.after_commit(self.parent_fd, committed, self._protect))
+        self.warnings.extend(
+            self._steps.after_commit(
+                self.parent_fd, committed, self._protect, self.retire_also, self._replaced
+            )
+        )
 
     def _put_in_place(self, stage: str, entries: dict[str, dict[str, Any]]) -> None:
         super()._put_in_place(stage, entries)
         self._renamed = True  # the commit point
 
-    def _replace_existing(self, stage: str, entries: dict[str, dict[str, Any]]) -> None:
-        raise TargetExistsError(f"step {self.step} appeared at {self.target} meanwhile", self.target)
+    def _swap(self) -> None:
+        # NFS and FUSE refuse RENAME_EXCHANGE (EINVAL): asking would cost a round trip, and its fallback a
+        # WARNING on the first rollback (or just-in-time checkpoint) of every job. A step replaced there is
+        # missing for an instant, never torn: latest() meanwhile names the previous commit.
+        if exchange_disabled() or not self._noreplace_flag():
+            RenameAside._swap(self)
+        else:
+            super()._swap()
+
+    def remove_old_version(self, name: str) -> None:
+        """The version the commit replaced (at ``name``: the stage's after an exchange, the aside one
+        otherwise) is renamed aside as a retired step is, and deleted with them after the lock: a step's
+        gigabytes are not deleted while every later commit of the root waits."""
+        aside = claims.claim(sibling_name(self.name, "tmp"))  # released once deleted
+        try:
+            os.rename(name, aside, src_dir_fd=self.parent_fd, dst_dir_fd=self.parent_fd)
+        except OSError as exc:
+            claims.release(aside)
+            self.warnings.append(
+                f"step {self.step} is committed, but its previous version {os.path.join(self.parent, name)} "
+                f"could not be set aside for deletion ({exc}); `safeio gc {self.parent}` removes it"
+            )
+            return
+        self._replaced.append(aside)
 
 
 def _nothing_to_recover(parent: str, parent_fd: int, target_name: str, durable: bool, own_stage: str) -> None:
@@ -184,8 +267,9 @@ class LocalSteps(StepStorage):
         *,
         rank: int,
         protect: Iterable[str] = (),
-        unmarked: Callable[[str], bool] | None = None,
+        existing: ExistingDirectory | None = None,
     ) -> StepPromotion:
+        existing = existing or ExistingDirectory()
         final_name = self.names.format(step)
         final = self.url(final_name)
         try:
@@ -198,14 +282,7 @@ class LocalSteps(StepStorage):
                     self._recovered = True
                 found = lstat_at(root_fd, final_name)
                 if found is not None:
-                    if self.reader(final_name).committed_step() is not None:
-                        raise TargetExistsError(f"step {step} is already committed at {final}", final)
-                    if not self._moved_aside(root_fd, final_name, found, unmarked):
-                        raise InvalidTargetError(
-                            f"{final} exists and is not a committed checkpoint (safeio never deletes "
-                            "what it did not write): move it away, or save another step",
-                            final,
-                        )
+                    self._judge_existing(root_fd, final_name, found, existing)
         except OSError as exc:
             raise os_failure(
                 f"cannot open the stage of step {step} under {self.root}", self.root, exc
@@ -218,56 +295,124 @@ class LocalSteps(StepStorage):
             step=step,
             steps=self,
             protect=frozenset(protect),
+            existing=existing,
+        )
+
+    def _judge_existing(
+        self, root_fd: int, name: str, found: os.stat_result, existing: ExistingDirectory
+    ) -> None:
+        """Before the body: what stands at a step's name is replaced by the commit (this user's commit of
+        the step, or what ``existing`` lets it replace), moved aside (written without safeio, judged by
+        the framework), or refused, naming it."""
+        path = self.url(name)
+        if self.replaceable(name, found, existing):
+            if self._committed_here(name, found):
+                logger.info(
+                    "%s: step %s at %s is committed already: the commit replaces it", who(), name, path
+                )
+            return
+        if self._moved_aside(root_fd, name, found, existing.unmarked):
+            return
+        if self.reader(name).committed_marker(check_files=False) is not None:
+            raise TargetExistsError(
+                f"{path} is a step another user committed (or its marker is of another step): safeio never "
+                "replaces it; save another step, or into another root",
+                path,
+            )
+        raise InvalidTargetError(
+            f"{path} exists and is not a committed checkpoint (safeio never deletes what it did not "
+            "write): move it away, or save another step",
+            path,
+        )
+
+    def _committed_here(self, name: str, found: os.stat_result) -> bool:
+        return (
+            stat.S_ISDIR(found.st_mode)
+            and found.st_uid == os.geteuid()
+            and self.committed_step(name, check_files=False) is not None
+        )
+
+    def replaceable(self, name: str, found: os.stat_result, existing: ExistingDirectory) -> bool:
+        """Whether a commit of step ``name`` may replace what stands there: this user's commit of it, or
+        a directory of this user's without any safeio step marker that ``existing`` hands over (the
+        framework's placeholder of this save, or one the script saves into)."""
+        if self._committed_here(name, found):
+            return True
+        if not self.adoptable(name, found):
+            return False
+        return existing.adopt or (existing.placeholder is not None and existing.placeholder(self.url(name)))
+
+    def adoptable(self, name: str, found: os.stat_result) -> bool:
+        """A directory of this user's (not a link) without any safeio step marker."""
+        return (
+            stat.S_ISDIR(found.st_mode)
+            and found.st_uid == os.geteuid()
+            and self.reader(name).committed_marker(check_files=False) is None
         )
 
     def _moved_aside(
         self, root_fd: int, name: str, found: os.stat_result, unmarked: Callable[[str], bool] | None
     ) -> bool:
-        """A step directory written without safeio at the name a save needs, which that framework's own
-        marker says is unfinished (a killed plain save of the step the run now reaches again): renamed
-        to a visible sibling and kept, never deleted. Only this user's directory, with no safeio marker at
-        all (a damaged commit is refused), and only when the caller gave the framework's judgement; a
-        complete one is refused like anything else safeio did not write."""
+        """A step directory written without safeio at the name a save needs, judged by that framework's
+        own marker: renamed to a visible sibling and kept, never deleted, so that the step can be
+        committed. Incomplete (a killed plain save of the step the run now reaches again):
+        ``incomplete-<name>.<time>``; complete (a plain run's checkpoint, and this run re-saves its step:
+        a rollback, or a re-run into the same directory, where the framework would have written over
+        it): ``previous-<name>.<time>``. Only this user's directory, with no safeio marker at all (a
+        damaged commit is refused), and only when the caller gave the framework's judgement."""
         if (
             unmarked is None
             or not stat.S_ISDIR(found.st_mode)
             or found.st_uid != os.geteuid()
             or self.reader(name).committed_marker(check_files=False) is not None
-            or unmarked(self.url(name))
         ):
             return False
+        complete = unmarked(self.url(name))
         # Not named like a step (and not starting like one: transformers' rotation globs
         # "checkpoint-*" and would delete it as an old checkpoint), nor like a safeio leftover.
-        aside = _unused_name(root_fd, f"incomplete-{name}.{time.strftime('%Y%m%dT%H%M%SZ', time.gmtime())}")
+        kind = "previous" if complete else "incomplete"
+        aside = _unused_name(root_fd, f"{kind}-{name}.{time.strftime('%Y%m%dT%H%M%SZ', time.gmtime())}")
         if aside is None:
             return False
         rename_noreplace(name, aside, root_fd)
         logger.warning(
-            "%s: %s was written without safeio and is incomplete by its framework's own marker; moved "
-            "aside to %s (kept: remove it when it is no longer needed) so that step %d can be committed",
+            "%s: %s was written without safeio and is %s by its framework's own marker; moved aside to %s "
+            "(kept: remove it when it is no longer needed) so that step %d can be committed",
             who(),
             self.url(name),
+            "complete" if complete else "incomplete",
             self.url(aside),
             self.names.parse(name),
         )
         return True
 
     def next_sequence(self, root_fd: int) -> int:
-        """Under the root's lock, before the commit: the next number in commit order, recorded first, so
-        that no two commits share one even if a pointer is never written. Without a readable record
-        (a root from before sequences, or a damaged one), one past the highest a step's marker holds."""
-        last = self.read_sequence()
-        if last is None:
-            last = max((c.sequence for c in self.in_commit_order()), default=0)
-        self._write(SEQUENCE, str(last + 1))
-        return last + 1
+        """Under the root's lock, before the commit: the next number in commit order. Recorded first
+        where the root keeps the record (see ``StepStorage``), so that no two commits share one even if
+        a pointer is never written; without it, one past the highest a step's marker holds, which the
+        lock keeps unique (the next commit reads this one's marker)."""
+        del root_fd
+        recorded = self.read_sequence()
+        number = self.next_number(recorded)
+        if self.pointer or recorded is not None or os.path.lexists(self.url(SEQUENCE)):
+            self._write(SEQUENCE, str(number))
+        return number
 
-    def after_commit(self, root_fd: int, committed: CommittedStep, protect: frozenset[str]) -> list[str]:
+    def after_commit(
+        self,
+        root_fd: int,
+        committed: CommittedStep,
+        protect: frozenset[str],
+        retire_also: Iterable[str] = (),
+        replaced: Iterable[str] = (),
+    ) -> list[str]:
         """Everything after the commit point, best effort: each failure is a warning saying how it is
-        repaired, never an error (the step is committed and every rank is told so)."""
+        repaired, never an error (the step is committed and every rank is told so). ``replaced``: old
+        versions of the step, already renamed aside, deleted with the retired steps."""
         warnings = []
         try:
-            self._write(LATEST, committed.name)
+            if self.pointer or os.path.lexists(self.url(LATEST)):
+                self._write(LATEST, committed.name)
             if self.megatron_tracker:
                 self._write(MEGATRON_TRACKER, str(committed.step))
         except (OSError, SafeIOError) as exc:
@@ -276,7 +421,7 @@ class LocalSteps(StepStorage):
                 f"({exc}); latest() still finds the step, and the next save writes the pointer"
             )
         try:
-            self._retire(root_fd, self.retired(committed, protect))
+            self._retire(root_fd, self.retired(committed, protect, retire_also), list(replaced))
         except (OSError, SafeIOError) as exc:
             warnings.append(
                 f"step {committed.step} is committed, but retention under {self.root} failed ({exc}); the "
@@ -290,12 +435,13 @@ class LocalSteps(StepStorage):
             text.encode()
         )
 
-    def _retire(self, root_fd: int, retired: list[CommittedStep]) -> None:
+    def _retire(self, root_fd: int, retired: list[CommittedStep], replaced: list[str]) -> None:
         """Each retired step renamed aside now, under the lock (a reader never finds a half-deleted
-        checkpoint under its name), and deleted later without it. As a "tmp" sibling, not an "old" one:
-        recovery restores an old version whose name is missing, and a retired checkpoint whose deletion
-        was killed must go, never come back as a step (``safeio gc`` finishes it)."""
-        aside: list[str] = []
+        checkpoint under its name), and deleted later without it, with the ``replaced`` old versions
+        already aside. As a "tmp" sibling, not an "old" one: recovery restores an old version whose name
+        is missing, and a retired checkpoint whose deletion was killed must go, never come back as a
+        step (``safeio gc`` finishes it)."""
+        aside: list[str] = list(replaced)
         try:
             for step in retired:
                 name = claims.claim(sibling_name(step.name, "tmp"))  # released once deleted
@@ -308,7 +454,7 @@ class LocalSteps(StepStorage):
         finally:
             if aside:
                 self.delete_later(
-                    lambda: self._delete(aside), f"{len(aside)} retired step(s) under {self.root}"
+                    lambda: self._delete(aside), f"{len(aside)} retired or replaced step(s) under {self.root}"
                 )
 
     def _delete(self, aside: list[str]) -> None:
@@ -331,6 +477,12 @@ class LocalSteps(StepStorage):
             return stat.S_ISDIR(os.lstat(self.url(stage_name)).st_mode)
         except OSError:
             return False
+
+
+def _not_content(name: str) -> bool:
+    """What a directory a save adopts holds that is no file of the checkpoint: a safeio marker (an earlier
+    save's manifest: the commit writes its own) or a safeio leftover."""
+    return name == manifest.MANIFEST_NAME or parse(name) is not None
 
 
 def _unused_name(root_fd: int, base: str) -> str | None:

@@ -23,7 +23,7 @@ import json
 import logging
 import os
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from typing import Any
 
 from safeio._boundary import mapped
@@ -33,6 +33,7 @@ from safeio._promotion.steps import (
     MEGATRON_TRACKER,
     SEQUENCE,
     CommittedStep,
+    ExistingDirectory,
     StepNames,
     StepPromotion,
     StepStorage,
@@ -60,6 +61,7 @@ class StepMarker(StepPromotion):
         self.steps = steps
         self._protect = protect
         self.stage_name = location.name  # written in place: the step's own prefix is its stage
+        self.retire_also: set[str] = set()  # steps the framework's own retention chose (see retire())
 
     @property
     def fs(self) -> Any:
@@ -75,7 +77,14 @@ class StepMarker(StepPromotion):
             objects = self.steps.listing().get(self.stage_name, {})
             if objects:
                 if self.steps.reader(self.stage_name, objects).committed_step() is not None:
-                    raise TargetExistsError(f"step {self.step} is already committed at {url}", url)
+                    # On POSIX the commit replaces it; here the new version would be written over the old
+                    # one in place, which would be torn before the new marker commits anything.
+                    raise TargetExistsError(
+                        f"step {self.step} is already committed at {url}: on an object store a committed "
+                        "step cannot be replaced whole (there is no rename); save another step, or remove "
+                        "it first",
+                        url,
+                    )
                 if IN_PROGRESS not in objects:
                     raise InvalidTargetError(
                         f"{url} holds objects and is not a committed checkpoint (safeio never deletes "
@@ -113,7 +122,7 @@ class StepMarker(StepPromotion):
         record = self.manifest_record(entries, None)
         self.fs.pipe_file(f"{self.prefix}/{manifest.MANIFEST_NAME}", manifest.dumps(record))  # the commit
         committed = CommittedStep(int(self.step or 0), self.stage_name, self.sequence)
-        self.warnings.extend(self.steps.after_commit(committed, self._protect))
+        self.warnings.extend(self.steps.after_commit(committed, self._protect, self.retire_also))
 
     def discard(self, stage: str) -> None:
         # Without its marker it is never a checkpoint; if this fails, the next save of the step removes it.
@@ -202,11 +211,11 @@ class ObjectSteps(StepStorage):
         *,
         rank: int,
         protect: Iterable[str] = (),
-        unmarked: Callable[[str], bool] | None = None,
+        existing: ExistingDirectory | None = None,
     ) -> StepPromotion:
-        # ``unmarked`` is not used: objects written without safeio under the step's prefix are refused
+        # ``existing`` is not used: objects written without safeio under the step's prefix are refused
         # (moving them aside on an object store is a copy and a delete of each, not one rename).
-        del unmarked
+        del existing
         return StepMarker(
             self._location(self.names.format(step)),
             steps=self,
@@ -220,18 +229,27 @@ class ObjectSteps(StepStorage):
     def next_sequence(self) -> int:
         """The next number in commit order, recorded before the marker (see ``StepStorage``). No lock:
         two jobs committing into one root at once are not excluded on an object store."""
-        last = self.read_sequence()
-        if last is None:
-            last = max((c.sequence for c in self.in_commit_order()), default=0)
-        self.fs.pipe_file(self._key(SEQUENCE), str(last + 1).encode())
-        return last + 1
+        recorded = self.read_sequence()
+        number = self.next_number(recorded)
+        if self.pointer or recorded is not None or self._has(SEQUENCE):
+            self.fs.pipe_file(self._key(SEQUENCE), str(number).encode())
+        return number
 
-    def after_commit(self, committed: CommittedStep, protect: frozenset[str]) -> list[str]:
+    def _has(self, name: str) -> bool:
+        try:
+            return bool(self.fs.exists(self._key(name)))
+        except (OSError, ValueError):
+            return False
+
+    def after_commit(
+        self, committed: CommittedStep, protect: frozenset[str], retire_also: Iterable[str] = ()
+    ) -> list[str]:
         """After the marker, best effort (see ``LocalSteps.after_commit``)."""
         warnings = []
         try:
             self.fs.rm_file(f"{self._key(committed.name)}/{IN_PROGRESS}")
-            self.fs.pipe_file(self._key(LATEST), committed.name.encode())
+            if self.pointer or self._has(LATEST):
+                self.fs.pipe_file(self._key(LATEST), committed.name.encode())
             if self.megatron_tracker:
                 self.fs.pipe_file(self._key(MEGATRON_TRACKER), str(committed.step).encode())
         except (OSError, ValueError) as exc:
@@ -240,7 +258,7 @@ class ObjectSteps(StepStorage):
                 f"({exc}); latest() still finds the step, and the next save writes the pointer"
             )
         try:
-            retired = self.retired(committed, protect)
+            retired = self.retired(committed, protect, retire_also)
             for step in retired:
                 # The marker first: from then on the step is not a checkpoint, whatever is left of it.
                 self.fs.rm_file(f"{self._key(step.name)}/{manifest.MANIFEST_NAME}")

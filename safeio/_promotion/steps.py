@@ -81,6 +81,9 @@ class StepPromotion(Promotion):
     commits nothing; after it (the ``latest`` pointer, retention) is a warning in ``Promoted.warnings``."""
 
     stage_name: str
+    # Committed steps the framework's own retention chose, retired after this commit with keep's
+    # (``CheckpointStage.retire``).
+    retire_also: set[str]
     # Whether the commit syncs the stage's files (a durable commit on a POSIX filesystem), so that the
     # ranks can share the work out (``finish_step``'s ``fsyncs``).
     shares_fsyncs = False
@@ -104,15 +107,38 @@ class CommittedStep:
         return (self.sequence, self.step)
 
 
+@dataclass(frozen=True)
+class ExistingDirectory:
+    """What a save does with a directory of this user's that stands at its step's name without any
+    safeio step marker (a save that already is committed is replaced by the new version, always).
+
+    ``unmarked(path)``: the framework's own judgement, complete or not; a directory so judged is moved
+    aside (kept, never deleted) and the step committed. ``placeholder(path)``: the framework made it to
+    mark this very save in progress, and it holds nothing to keep (transformers' just-in-time
+    checkpoint: ``checkpoint-N`` holding only ``checkpoint-is-incomplete.txt``); the commit replaces it.
+    ``adopt``: the script saves *into* a directory of its own (``accelerator.save_state(dir)`` into a
+    directory it made, or wrote a tokenizer into): its files are kept in the committed step, under what
+    the save wrote, which wins (the files of an earlier commit of the step too, as the framework writes
+    into the directory it finds). With none of them such a directory is refused."""
+
+    unmarked: Callable[[str], bool] | None = None
+    placeholder: Callable[[str], bool] | None = None
+    adopt: bool = False
+
+
 class StepStorage(ABC):
     """The steps of one checkpoint root, as one kind of place holds them.
 
-    Commit order is the order: each commit records the next number of the root's sequence in its marker
-    (``.checkpoints.safeio.sequence`` holds the last one given, written before the commit), the pointer
-    names the most recent commit, and ``latest`` is that step, not the highest number (a job that rolled
-    back to step 10 and saved 15 resumes from 15, as DeepSpeed's ``latest`` and Megatron's tracker
-    would). Only the steps this user committed count: another user's, in a shared root, are never chosen
-    or retired.
+    Commit order is the order: each commit records the next number of the root's sequence in its marker,
+    and the most recent commit is the latest, not the highest number (a job that rolled back to step 10
+    and saved 15 resumes from 15, as DeepSpeed's ``latest`` and Megatron's tracker would). With
+    ``pointer`` (safeio's own roots), ``.checkpoints.safeio.sequence`` holds the last number given,
+    written before the commit, and ``latest`` names the most recent commit, so that finding it reads
+    two small files and one step. Without it (a framework's own directory, whose listing must stay the
+    framework's: the Trainer's ``output_dir``), neither file is created — the next number is one past the
+    highest a marker records, given under the root's lock, and the latest is found by reading the markers
+    — and where a root already has them, they are kept current. Only the steps this user committed
+    count: another user's, in a shared root, are never chosen or retired.
     """
 
     in_place_replicated: bool  # whether the writer's replicated files go straight into the stage
@@ -125,11 +151,13 @@ class StepStorage(ABC):
         *,
         keep: int | None,
         megatron_tracker: bool,
+        pointer: bool = True,
     ) -> None:
         self.names = names
         self.options = options
         self.keep = keep
         self.megatron_tracker = megatron_tracker
+        self.pointer = pointer
         self._deleting: threading.Thread | None = None
         # Steps whose marker this process has read (or written), by the identity of what stood at the
         # name then: a committed step never changes, so retention need not parse a large marker again.
@@ -164,12 +192,12 @@ class StepStorage(ABC):
         *,
         rank: int,
         protect: Iterable[str] = (),
-        unmarked: Callable[[str], bool] | None = None,
+        existing: ExistingDirectory | None = None,
     ) -> StepPromotion:
         """The writer: the commit of ``step`` (its stage is made by ``open_stage``); retention after it
-        never removes a step named in ``protect``. ``unmarked``: a framework's judgement of a step
-        directory written without safeio (``Checkpoints.save``); what a place does with one standing at
-        the step's name is its own."""
+        never removes a step named in ``protect``. ``existing``: what to do with a directory written
+        without safeio at the step's name (``Checkpoints.save``); a kind of place that cannot do it
+        refuses."""
 
     @abstractmethod
     def is_stage_of(self, stage_name: str, step: int) -> bool:
@@ -236,6 +264,15 @@ class StepStorage(ABC):
             and self.reader(name).committed_marker(check_files=False) is None
         )
 
+    def unmarked_step(self, name: str) -> bool:
+        """Whether ``name`` is an entry of this user's named like a step with no safeio marker at all."""
+        return (
+            self.names.parse(name) is not None
+            and self.entry_owner(name) in (None, os.geteuid())
+            and self.reader(name).exists()
+            and self.reader(name).committed_marker(check_files=False) is None
+        )
+
     def step_visible(self, name: str) -> bool:
         """Whether this process sees step ``name`` committed."""
         return self.committed_step(name) is not None
@@ -265,19 +302,38 @@ class StepStorage(ABC):
 
     # -- retention -----------------------------------------------------------------------------------
 
-    def retired(self, just_committed: CommittedStep, protect: Iterable[str]) -> list[CommittedStep]:
-        """This user's committed steps beyond the newest ``keep`` by commit order, never the step just
-        committed nor a protected one. One listing decides when there cannot be more steps than ``keep``
-        (the usual case: retention keeps it so); only then are the markers read."""
-        if self.keep is None:
+    def retired(
+        self, just_committed: CommittedStep, protect: Iterable[str], also: Iterable[str] = ()
+    ) -> list[CommittedStep]:
+        """This user's committed steps beyond the newest ``keep`` by commit order, and those named in
+        ``also`` (a framework's own retention decided them: ``CheckpointStage.retire``), never the step
+        just committed nor a protected one. One listing decides when there cannot be more steps than
+        ``keep`` (the usual case: retention keeps it so); only then are the markers read."""
+        also = set(also)
+        if self.keep is None and not also:
             return []
-        if sum(1 for name in self.entry_names() if self.names.parse(name) is not None) <= self.keep:
+        beyond_keep = self.keep is not None and (
+            sum(1 for name in self.entry_names() if self.names.parse(name) is not None) > self.keep
+        )
+        if not beyond_keep and not also:
             return []
         ordered = self.in_commit_order(check_files=False)
-        kept = {c.name for c in ordered[-self.keep :]}
-        kept.add(just_committed.name)
-        kept.update(protect)
-        return [c for c in ordered if c.name not in kept]
+        kept = {c.name for c in ordered[-self.keep :]} if beyond_keep and self.keep is not None else None
+        spared = {just_committed.name, *protect}
+        return [
+            c
+            for c in ordered
+            if c.name not in spared and (c.name in also or (kept is not None and c.name not in kept))
+        ]
+
+    def next_number(self, recorded: int | None) -> int:
+        """The next place in commit order (under the root's lock, before the commit): one past the record
+        when there is one, else past the highest a step's marker holds (a root without the record: one
+        from before sequences, a damaged one, or one kept without pointer files)."""
+        last = recorded
+        if last is None:
+            last = max((c.sequence for c in self.in_commit_order(check_files=False)), default=0)
+        return last + 1
 
     def delete_later(self, delete: Callable[[], None], what: str) -> None:
         """Run ``delete`` (retired steps, already renamed aside) on a background thread: no rank waits for

@@ -93,9 +93,14 @@ class DirectoryFlock:
         filesystem without flock is handed to filelock's ``FileLock``, which falls back to a soft marker.
     """
 
-    def __init__(self, parent_fd: int, name: str, shown: str, timeout: float) -> None:
+    def __init__(
+        self, parent_fd: int, name: str, shown: str, timeout: float, *, on_directory: bool = False
+    ) -> None:
         self._parent_fd, self._name = parent_fd, name
         self.lock_file, self.timeout = shown, timeout
+        # The parent directory itself is locked (a new open of it: a flock belongs to an open file
+        # description), and no lock file is made: a checkpoint root is a framework's own directory.
+        self._on_directory = on_directory
         self._fd = -1
         self._fallback: filelock.BaseFileLock | None = None
 
@@ -128,6 +133,8 @@ class DirectoryFlock:
         self._fd = fd
 
     def _open(self) -> int:
+        if self._on_directory:
+            return os.open(".", os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC, dir_fd=self._parent_fd)
         flags = os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
         try:
             return os.open(self._name, flags | os.O_RDWR, 0o666, dir_fd=self._parent_fd)
@@ -150,9 +157,12 @@ def make_lock(
     lease_duration: float | None = None,
     *,
     parent_fd: int | None = None,
+    on_directory: bool = False,
 ) -> PromotionLock | None:
     """The lock ``setting`` names for ``path``; a lease lives ``lease_duration`` s (default: from the
-    environment). With ``parent_fd`` (``path``'s directory, held), a local flock is taken through it."""
+    environment). With ``parent_fd`` (``path``'s directory, held), a local flock is taken through it; with
+    ``on_directory`` too, on the directory itself, and no file is made at ``path`` (soft locks and leases
+    still make theirs, only while held)."""
     if setting is False:
         return None
     kind = setting
@@ -162,7 +172,7 @@ def make_lock(
         kind = "lease" if is_network_path(os.path.dirname(path)) else "flock"
     if kind == "flock":
         if parent_fd is not None:
-            return DirectoryFlock(parent_fd, os.path.basename(path), path, timeout)
+            return DirectoryFlock(parent_fd, os.path.basename(path), path, timeout, on_directory=on_directory)
         return filelock.FileLock(path, timeout=timeout)
     if kind == "lease":
         return _SoftFileLease(

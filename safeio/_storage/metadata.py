@@ -4,8 +4,9 @@ Anyone who can write a shared directory can put anything under ``.safeio-manifes
 open would wait for a writer forever), a link to ``/dev/zero`` or a huge file (read whole: out of memory),
 JSON nested 100,000 deep (a RecursionError), entries naming ``../../etc`` or of the wrong type. Every read
 here opens with ``O_NOFOLLOW|O_NONBLOCK``, requires a regular file, caps the size, parses within a depth
-bound, and validates the schema. What fails is ``Damaged``: reported by ``verify``, never complete, replaced
-by the next save, listed by ``gc`` — never a traceback, never a hang, never a path outside the directory.
+bound and a memory bound, and validates the schema. What fails is ``Damaged``: reported by ``verify``,
+never complete, replaced by the next save, listed by ``gc`` — never a traceback, never a hang, never a
+path outside the directory.
 """
 
 from __future__ import annotations
@@ -22,6 +23,12 @@ from safeio._storage.dirfd import is_component, is_relative_name, open_regular_f
 MANIFEST_CAP = 16 << 20  # a manifest of 100,000 files is about 10 MB
 INTENT_CAP = 16 << 20
 MAX_DEPTH = 64  # manifests nest 4 deep; a save's result value may nest a little more
+# What parsing may cost, estimated from the text before parsing (``_parse_cost``): json.loads builds a
+# Python object of up to 150 bytes for each value, so a 16 MiB file of nested lists ([[],[],...]) took
+# 469 MiB (issue 34). A manifest of 100,000 files, or the HF Trainer's trainer_state.json with 100,000
+# log entries (16 MiB, 47 MiB parsed), stays within it.
+PARSE_BUDGET = 128 << 20
+_VALUE_COST = 80  # bytes per value separator (``[ { , :``), measured on the worst shapes: 34-74
 # A JSON string, written as an unrolled loop: 4-5 times faster than an alternation per character (the
 # scan below ran 0.2 ms on a 7 KB manifest, most of a 1 MB merge save's allowance, issue 26).
 _STRINGS = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"', re.DOTALL)
@@ -35,8 +42,9 @@ class Damaged:
     reason: str
 
 
-def read_json(dir_fd: int, name: str, cap: int) -> object | Damaged | None:
-    """The parsed JSON of ``name`` in ``dir_fd``; None when absent; Damaged for anything unusable."""
+def read_json(dir_fd: int, name: str, cap: int, *, owner: int | None = None) -> object | Damaged | None:
+    """The parsed JSON of ``name`` in ``dir_fd``; None when absent; Damaged for anything unusable. With
+    ``owner``, a file of any other uid is not read (another user's, planted where ``owner``'s is read)."""
     try:
         fd, st = open_regular_file(dir_fd, name)
     except FileNotFoundError:
@@ -44,9 +52,15 @@ def read_json(dir_fd: int, name: str, cap: int) -> object | Damaged | None:
     except OSError as exc:
         return Damaged(f"{name} cannot be opened as a regular file ({exc.strerror or exc})")
     try:
+        if owner is not None and st.st_uid != owner:
+            return Damaged(f"{name} is owned by uid {st.st_uid}, not uid {owner}: another user's, not read")
         if st.st_size > cap:
             return Damaged(f"{name} is {st.st_size} bytes, over the {cap}-byte limit")
-        data = os.read(fd, cap + 1)
+        if 2 * st.st_size > PARSE_BUDGET:  # the text and its decoded copy alone
+            return Damaged(f"{name} is {st.st_size} bytes, too large to parse within {PARSE_BUDGET} bytes")
+        # What fstat said, plus one byte to see it grew: os.read allocates all it is asked for first
+        # (cap + 1: 256 MiB for every trainer_state.json judged).
+        data = os.read(fd, st.st_size + 1)
     except OSError as exc:
         return Damaged(f"{name} cannot be read ({exc.strerror or exc})")
     finally:
@@ -58,6 +72,9 @@ def parse_json(data: bytes, name: str, cap: int) -> object | Damaged:
     """``data`` (the content of ``name``) parsed as JSON within the size cap and depth bound."""
     if len(data) > cap:
         return Damaged(f"{name} is over the {cap}-byte limit")
+    cost = _parse_cost(data)
+    if cost > PARSE_BUDGET:
+        return Damaged(f"{name} holds too many values to parse within {PARSE_BUDGET} bytes (about {cost})")
     if _depth(data) > MAX_DEPTH:
         return Damaged(f"{name} nests deeper than {MAX_DEPTH} levels")
     try:
@@ -67,6 +84,16 @@ def parse_json(data: bytes, name: str, cap: int) -> object | Damaged:
     except (ValueError, RecursionError) as exc:
         return Damaged(f"{name} is not valid JSON ({exc})")
     return parsed
+
+
+def _parse_cost(data: bytes) -> int:
+    """An upper bound of the memory ``json.loads(data)`` takes (text, its decoded copy, one object per
+    value), from four byte counts (no scan in Python, no copy; a bracket or comma inside a string is
+    counted too, which only overestimates). Checked before ``_depth``, whose string removal copies."""
+    if (_VALUE_COST + 2) * (len(data) + 1) <= PARSE_BUDGET:
+        return 0  # within the budget even if every byte were a separator (every manifest a save reads)
+    separators = sum(data.count(c) for c in (b"[", b"{", b",", b":"))
+    return 2 * len(data) + _VALUE_COST * (separators + 1)
 
 
 def _depth(data: bytes) -> int:

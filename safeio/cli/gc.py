@@ -18,7 +18,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from safeio._promotion.leftovers import owners_that_count, recover_directory, staleness
+from safeio._promotion.leftovers import TargetOwners, recover_directory, staleness
 from safeio._promotion.recovery_records import Action
 from safeio._storage.dirfd import held_directory, lstat_at, walk
 from safeio._storage.lock_markers import read_marker, remove_if_unchanged
@@ -132,6 +132,9 @@ def _collect(
     acted = set()
     for action in actions:
         acted.add(action.path)
+        if action.verb == "keep":  # another user's, or one this user may not remove: theirs, not an error
+            report.kept.append({"path": action.path, "reason": action.reason})
+            continue
         if action.verb == "failed":
             report.errors.append({"path": action.path, "error": action.reason})
             continue
@@ -143,12 +146,12 @@ def _collect(
                 {"path": action.path, "error": "still in use (files open elsewhere); run gc again later"}
             )
     now = time.time()
+    owners = TargetOwners(dir_fd, names)  # one pass, however many names were planted
     for name in names:
         path = os.path.join(directory, name)
         sibling = parse(name)
         if sibling is not None and path not in acted and lstat_at(dir_fd, name) is not None:
-            owners = owners_that_count(dir_fd, names, sibling)
-            reason = staleness(sibling, directory, dir_fd, older_than, now, owners)[1]
+            reason = staleness(sibling, directory, dir_fd, older_than, now, owners.of(sibling))[1]
             report.kept.append({"path": path, "reason": reason})
         elif sibling is None and _is_lock_name(name):
             _collect_lock(directory, dir_fd, name, report, older_than, dry_run, now)

@@ -13,6 +13,7 @@ from safeio._errors import InvalidTargetError
 from safeio._promotion.backends import backend_for
 from safeio._promotion.steps import LATEST, StepNames
 from safeio._storage.dirfd import held_directory, walk_files
+from safeio._storage.manifest import MANIFEST_NAME
 from safeio._storage.names import parse
 from safeio.cli._common import EXIT_OK, EXIT_PROBLEMS, existing_directory, human_bytes, print_json
 from safeio.integrations._accelerate_files import ranks_written
@@ -32,8 +33,9 @@ def add_parser(commands: Any, epilog: str) -> None:
         "accelerate's random states of every rank), "
         "and stages of saves in progress or left by "
         "crashed writers (`safeio gc` removes those whose owner is gone). Marks the one `latest` "
-        "names. A step another user committed in a shared root is shown as theirs (Checkpoints never "
-        "resumes from or retires it). Exit 1 when `latest` names something that is not a committed step.",
+        "names. A step or stage of another user than the root's owner is shown as theirs, whatever it holds, "
+        "and nothing in it is read (Checkpoints never resumes from or retires it). Exit 1 when `latest` "
+        "names something that is not a committed step.",
         epilog=epilog,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
@@ -56,23 +58,40 @@ def _size(path: str) -> int:
 
 
 def checkpoint_rows(root: str, names: list[StepNames]) -> list[dict[str, Any]]:
-    """Every step directory and checkpoint stage under ``root``: name, step, state, size (sorted)."""
+    """Every step directory and checkpoint stage under ``root``: name, step, state, size (sorted).
+
+    Ownership before content: an entry of another user than the root's owner is labelled as theirs
+    (``FOREIGN``) from its ``lstat`` alone, whatever its state, and nothing inside it is opened, parsed,
+    hashed or sized (size None): a planted step's trainer_state.json, archive or manifest listing a
+    sparse 1 TiB file is never read (issue 34)."""
     rows: list[dict[str, Any]] = []
     owner = os.stat(root).st_uid
     for entry in sorted(os.listdir(root)):
         path = os.path.join(root, entry)
         sibling = parse(entry)
-        if sibling is not None and sibling.kind == "stage":
-            if any(p.parse(sibling.base) is not None for p in names):
-                alive = sibling.owner_is_alive()
-                states = {True: "in progress", False: "stage of a dead writer", None: "stage (other host)"}
-                rows.append({"name": entry, "step": None, "state": states[alive], "size": _size(path)})
+        if sibling is not None:
+            if sibling.kind != "stage" or not any(p.parse(sibling.base) is not None for p in names):
+                continue
+            step = None
+        else:
+            step = next((s for s in (p.parse(entry) for p in names) if s is not None), None)
+            if step is None:
+                continue
+        try:
+            st = os.lstat(path)
+        except OSError:
             continue
-        steps = [p.parse(entry) for p in names]
-        step = next((s for s in steps if s is not None), None)
-        if step is None or not os.path.isdir(path) or os.path.islink(path):
+        if step is not None and not stat.S_ISDIR(st.st_mode):
+            continue  # a file or a link under a step's name is no checkpoint
+        if sibling is not None:
+            alive = sibling.owner_is_alive()
+            state = {True: "in progress", False: "stage of a dead writer", None: "stage (other host)"}[alive]
+        if st.st_uid != owner:
+            state = f"{FOREIGN} (uid {st.st_uid})" + (f", {state}" if sibling is not None else "")
+            rows.append({"name": entry, "step": step, "state": state, "size": None})
             continue
-        state = step_state(path, owner)
+        if sibling is None:
+            state = step_state(path, owner)
         rows.append({"name": entry, "step": step, "state": state, "size": _size(path)})
     rows.sort(key=lambda r: (r["step"] is None, r["step"] or 0, r["name"]))
     _fewer_ranks_are_incomplete(root, rows)
@@ -102,6 +121,10 @@ def step_state(path: str, owner: int) -> str:
     it is (``Checkpoints`` never resumes from or retires another user's step); "partial" when a safeio
     marker is there but the files do not match it; for a directory safeio did not write (no marker at
     all), whether it is complete by its framework's own marker (``UNMARKED``)."""
+    with contextlib.suppress(OSError):
+        marker_uid = os.lstat(os.path.join(path, MANIFEST_NAME)).st_uid
+        if marker_uid != owner:  # another user's marker in a directory they can write: not read
+            return f"{FOREIGN} (uid {marker_uid})"
     reader = backend_for(path).reader()
     record = reader.committed_marker()
     if record is not None:
@@ -164,7 +187,8 @@ def run(args: argparse.Namespace) -> int:
     else:
         for row in rows:
             mark = "  <- latest" if row["name"] == latest else ""
-            print(f"{row['state']:<22} {human_bytes(row['size']):>10}  {row['name']}{mark}")
+            size = human_bytes(row["size"]) if row["size"] is not None else "-"
+            print(f"{row['state']:<22} {size:>10}  {row['name']}{mark}")
         if not rows:
             print(f"no checkpoints under {root}")
         if problem is not None:

@@ -6,7 +6,9 @@ incomplete: ``latest()`` never resumes from it), except one written without safe
 own marker says is complete (the Trainer's ``trainer_state.json``, DCP's ``.metadata``, accelerate's random
 states of every rank): it is listed as not checked, since no manifest of its files exists. ``latest`` must
 name a committed step. Stages of saves in progress are shown, not judged; those of dead writers are what
-``safeio gc`` removes.
+``safeio gc`` removes. Another user's steps (of another uid than the root's owner) are shown as theirs and
+never read or hashed, whatever their state: root's ``verify`` of a share once hashed another user's
+partial step whose manifest listed a sparse 1 TiB file (issue 34).
 """
 
 from __future__ import annotations

@@ -5,8 +5,13 @@ edits (accelerate's own ``test_checkpointing.py``, a user's training script) thr
 Where the script saves decides what safeio can protect, since the patch keeps the script's own names:
 
 - ``save_state(output_dir)`` whose last path component ends in a step number (``epoch_3``,
-  ``checkpoint_7``, ``step-12``): committed as that step of a ``Checkpoints`` at its parent, named by the
-  same pattern (``epoch_{step}``), keeping every step (accelerate retires nothing for a named directory);
+  ``checkpoint_7``, ``step-12``, a ``tempfile`` directory ``tmpk2f9``): committed as that step of a
+  ``Checkpoints`` at its parent, named by the same pattern (``epoch_{step}``), keeping every step
+  (accelerate retires nothing for a named directory), with no pointer file in the parent
+  (``pointer=False``: it is the script's directory, and accelerate's own listing of it must not change).
+  As accelerate writes into ``output_dir`` whatever it holds, the directory is the script's: an empty
+  one it made, or one it wrote a tokenizer into, is committed with its files (``adopt``); a step saved
+  again is committed anew;
 - ``save_state()`` with ``automatic_checkpoint_naming`` (accelerate then ignores ``output_dir``): the
   adapter's default, ``<project_dir>/checkpoints/checkpoint_<N>``, retention by ``total_limit``;
 - any other ``output_dir`` (no number, a zero-padded one ``StepNames`` cannot round-trip): accelerate's
@@ -136,10 +141,10 @@ def _save_state(original: Any) -> Any:
             _warn_unprotected(self, output_dir)
             return original(self, output_dir, safe_serialization, **kwargs)
         root, name, step = found
-        # keep=None: accelerate retires nothing it was given a name for.
-        ckpts = Checkpoints(root, keep=None, name=name)
         with _through_adapter():
-            return adapter.save_state(self, ckpts, step=step, **options).path
+            return adapter.committed_save_state(
+                self, _checkpoints(root, name), step, adopt=True, **options
+            ).path
 
     return save_state
 
@@ -181,22 +186,28 @@ def _load_state(original: Any) -> Any:
     return load_state
 
 
+_roots: dict[tuple[str, str], Checkpoints] = {}  # one per (parent, pattern): its recovery runs once
+
+
+def _checkpoints(root: str, name: str) -> Checkpoints:
+    """The ``Checkpoints`` of a script's numbered directories: keep=None (accelerate retires nothing it
+    was given a name for), no pointer file in the script's directory."""
+    with _lock:
+        if (root, name) not in _roots:
+            _roots[(root, name)] = Checkpoints(root, keep=None, name=name, pointer=False)
+        return _roots[(root, name)]
+
+
 def _check_loadable(accelerator: Any, input_dir: Any, root: str, name: str, step: int) -> None:
-    """Return when ``input_dir`` (step ``step`` of ``root``) may be loaded; raise naming it when not."""
-    ckpts = Checkpoints(root, keep=None, name=name)
+    """Return when ``input_dir`` (step ``step`` of ``root``) may be loaded; raise naming it when not. The
+    decision is the writer's, for every rank (``Checkpoints.at``): ranks whose views of a shared
+    directory differ load the same or fail together."""
+    path = os.fspath(input_dir)
     try:
-        ckpts.at(step)  # collective: every rank gets the writer's answer
+        # Written by accelerate without safeio (no marker at all): loaded when complete by the files
+        # accelerate's load_state reads, with a WARNING.
+        _checkpoints(root, name).at(step, unmarked=lambda found: is_complete_for(accelerator, found))
     except InvalidTargetError as exc:
-        path = os.fspath(input_dir)
-        # Written by accelerate without safeio (no marker at all): the adapter's unmarked rule.
-        if (step, ckpts.names.format(step)) in ckpts._steps.unmarked() and is_complete_for(accelerator, path):
-            logger.warning(
-                "%s: loading %s, which safeio did not commit (written without safeio; complete by the files "
-                "accelerate's load_state reads)",
-                who(accelerator.process_index),
-                path,
-            )
-            return
         raise InvalidTargetError(
             f"accelerator.load_state({path}): not a checkpoint safeio committed (a save killed mid-way "
             f"leaves none under its final name) nor a complete one written without safeio; {exc}",

@@ -45,11 +45,19 @@ def checkpoints_for(
     accelerator: Any, *, root: str | None = None, timeout: float | None = None, durable: bool = True
 ) -> Checkpoints:
     """The ``Checkpoints`` of an accelerator: ``<project_dir>/checkpoints/checkpoint_<N>`` (accelerate's
-    own layout), ``keep`` = the project configuration's ``total_limit``."""
+    own layout), ``keep`` = the project configuration's ``total_limit``. No pointer file there
+    (``pointer=False``): accelerate's own ``load_state()`` and ``total_limit`` rotation list that
+    directory and take a number from every name in it (an ``IndexError`` on ``latest``), so a run
+    without safeio afterwards reads it as accelerate left it."""
     config = accelerator.project_configuration
     where = root if root is not None else os.path.join(accelerator.project_dir or ".", "checkpoints")
     return Checkpoints(
-        where, keep=config.total_limit, name="checkpoint_{step}", timeout=timeout, durable=durable
+        where,
+        keep=config.total_limit,
+        name="checkpoint_{step}",
+        timeout=timeout,
+        durable=durable,
+        pointer=False,
     )
 
 
@@ -92,13 +100,24 @@ def save_state(
 
     ``step`` numbers the checkpoint (default: accelerate's ``save_iteration``). Retention follows the
     project configuration's ``total_limit`` (None: keep all) unless ``ckpts`` was given ``keep``."""
+    return committed_save_state(accelerator, ckpts, step, adopt=False, **save_state_kwargs)
+
+
+def committed_save_state(
+    accelerator: Any, ckpts: Checkpoints | None, step: int | None, *, adopt: bool, **save_state_kwargs: Any
+) -> Checkpoint:
+    """``save_state``; ``adopt``: the step's directory is the script's own (``SAFEIO_PATCH``'s
+    ``save_state(dir)``), and what it holds already — nothing, or files the script wrote there, a
+    tokenizer say — stays in the committed step, under what accelerate writes (see
+    ``Checkpoints.save``), as accelerate writes into it."""
     ckpts = ckpts if ckpts is not None else checkpoints_for(accelerator)
     config = accelerator.project_configuration
     step = accelerator.save_iteration if step is None else step
     naming = config.automatic_checkpoint_naming
     config.automatic_checkpoint_naming = False  # Checkpoints names, stages and retires the directories
     try:
-        with _retention_of(accelerator, ckpts), ckpts.save(step) as ckpt, _replicated_files_once():
+        saving = ckpts.save(step, adopt=adopt)
+        with _retention_of(accelerator, ckpts), saving as ckpt, _replicated_files_once():
             accelerator.save_state(ckpt.path, **save_state_kwargs)
     finally:
         config.automatic_checkpoint_naming = naming

@@ -12,27 +12,44 @@ change them, so this is a mixin:
     trainer = MyTrainer(model=..., args=..., ...)  # or SafeTrainer from this module
     trainer.train(resume_from_checkpoint=True)     # resumes from the newest committed one
 
-``_save_checkpoint`` runs inside ``safeio.Checkpoints.save``: the Trainer's own method still does the
-writing (so its file set follows the installed transformers), with its output directory redirected to
-the shared stage through a private view (``<tmp>/checkpoint-N``, a link to the stage); rotation is
-``Checkpoints``' retention (``save_total_limit`` newest committed, the best model's checkpoint kept,
-after the commit, by the writer). The mixin is explicit in the user's code and touches no class but
-theirs; for code the user cannot edit, ``patch_trainer()`` (installed by ``SAFEIO_PATCH``) does the same
-to ``Trainer`` itself, every subclass included, through the same functions (a mixin instance is left to
-its mixin: nothing is staged twice). Both rely on ``_save_checkpoint(model, trial)`` and
-``_get_output_dir(trial)``, checked when the trainer is built or the patch installed.
+``_save_checkpoint`` runs inside ``safeio.Checkpoints.save``: the Trainer's own method still does
+everything it does (so its file set, its best-model tracking and its rotation follow the installed
+transformers), with its output directory pointed at a private view of the run directory
+(``_RunView``): ``checkpoint-N`` there is a link to the shared stage, and every other ``checkpoint-*``
+of the run directory stands there as an empty directory with the real one's modification time. The
+Trainer finds its earlier checkpoints there (the best one's existence decides ``best_model_checkpoint``)
+and rotates them by its own order and rules (``save_total_limit``, the best one and the newest kept);
+what it deleted in the view, safeio retires after the commit (renamed aside under the root's lock,
+deleted after it), among the checkpoints this user committed. The run directory holds nothing but the
+checkpoints: no pointer file (``Checkpoints(pointer=False)``), the root locked as a directory, a
+retired checkpoint's deletion finished before ``train()`` returns.
+
+Fidelity: step names, saving a step that exists (a rollback, a re-run: the commit replaces it),
+retention, best-model tracking, the just-in-time checkpoint (its ``checkpoint-N`` holding only
+``checkpoint-is-incomplete.txt`` is the Trainer's placeholder, replaced by the commit) and the messages
+and exception types code matches on stay the Trainer's; safeio changes where and how files are
+written and committed, and which checkpoint ``resume_from_checkpoint=True`` may choose.
+
+The mixin is explicit in the user's code and touches no class but theirs; for code the user cannot
+edit, ``patch_trainer()`` (installed by ``SAFEIO_PATCH``) does the same to ``Trainer`` itself, every
+subclass included, through the same functions (a mixin instance is left to its mixin: nothing is
+staged twice). Both rely on ``_save_checkpoint(model, trial)`` and ``_get_output_dir(trial)``, checked
+when the trainer is built or the patch installed.
 """
 
 from __future__ import annotations
 
 import contextlib
+import fnmatch
 import functools
 import inspect
 import os
 import shutil
+import stat
 import sys
 import tempfile
 import threading
+import weakref
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -69,6 +86,10 @@ def get_last_checkpoint(folder: str | os.PathLike[str]) -> str | None:
 
 
 TRAINER_STATE = "trainer_state.json"  # written last into checkpoint-N, by the process that saves
+# transformers' just-in-time checkpoint (enable_jit_checkpoint) makes checkpoint-N holding only this
+# before it saves, and removes it after (transformers/trainer_jit_checkpoint.py).
+JIT_SENTINEL = "checkpoint-is-incomplete.txt"
+_SENTINEL_CAP = 4096
 _STATE_CAP = 256 << 20  # a long run's log_history makes it tens of MB
 # The model's weights in a checkpoint-N: whole or sharded, safetensors or pickle, a PEFT adapter; FSDP's
 # and DeepSpeed's are directories (pytorch_model_fsdp_0, global_step<N>).
@@ -86,16 +107,32 @@ _WEIGHT_DIRS = ("pytorch_model_fsdp", "global_step")
 def is_complete_by_trainer(path: str) -> bool:
     """Whether a ``checkpoint-N`` written without safeio is one the Trainer finished: its own marker,
     ``trainer_state.json`` (written after the model, optimizer and RNG states), is there and parses,
-    and so are the model's weights. Read as untrusted input (the share is; ``metadata.read_json``)."""
+    and so are the model's weights. Read as untrusted input (the share is; ``metadata.read_json``):
+    within a memory bound, and only when the directory's owner wrote it (not one another user put in a
+    directory others can write)."""
     try:
         with held_directory(path) as fd:
-            state = read_json(fd, TRAINER_STATE, _STATE_CAP)
+            state = read_json(fd, TRAINER_STATE, _STATE_CAP, owner=os.fstat(fd).st_uid)
             names = os.listdir(fd)
     except OSError:
         return False
     if not (isinstance(state, dict) and isinstance(state.get("global_step"), int)):
         return False
     return any(n in _WEIGHTS or n.startswith(_WEIGHT_DIRS) for n in names)
+
+
+def is_jit_placeholder(path: str) -> bool:
+    """Whether ``path`` is the directory transformers' just-in-time checkpoint makes before it saves:
+    nothing in it but its small ``checkpoint-is-incomplete.txt``. The commit replaces it (nothing in it
+    is worth keeping), where a directory written without safeio would be moved aside."""
+    try:
+        with held_directory(path) as fd:
+            if os.listdir(fd) != [JIT_SENTINEL]:
+                return False
+            st = os.stat(JIT_SENTINEL, dir_fd=fd, follow_symlinks=False)
+    except OSError:
+        return False
+    return stat.S_ISREG(st.st_mode) and st.st_size <= _SENTINEL_CAP
 
 
 def _check_trainer(cls: type) -> None:
@@ -117,16 +154,30 @@ def _check_trainer(cls: type) -> None:
         )
 
 
+# Each trainer's Checkpoints by run directory: one object across its saves, so that a retired
+# checkpoint's deletion is joined by the next save and at the end of train().
+_checkpoints: weakref.WeakKeyDictionary[Any, dict[str, Checkpoints]] = weakref.WeakKeyDictionary()
+
+
 def _checkpoints_of(trainer: Any, run_dir: str | None = None) -> Checkpoints:
-    """The ``Checkpoints`` of a trainer's run directory (default: ``args.output_dir``); retention keeps
-    the newest ``save_total_limit`` committed checkpoints."""
-    return Checkpoints(
-        run_dir if run_dir is not None else trainer.args.output_dir,
-        # transformers keeps every checkpoint for a limit of None or 0 or less
-        keep=limit if (limit := trainer.args.save_total_limit) and limit > 0 else None,
-        name=PREFIX,
-        timeout=getattr(trainer, "safeio_timeout", None),
-    )
+    """The ``Checkpoints`` of a trainer's run directory (default: ``args.output_dir``). Retention is
+    the Trainer's own rotation (``save_total_limit``), which ``_save_committed`` carries out:
+    ``keep=None`` here. No pointer file in the run directory (``pointer=False``)."""
+    where = os.fspath(run_dir if run_dir is not None else trainer.args.output_dir)
+    known = _checkpoints.setdefault(trainer, {})
+    if where not in known:
+        known[where] = Checkpoints(
+            where, keep=None, name=PREFIX, timeout=getattr(trainer, "safeio_timeout", None), pointer=False
+        )
+    return known[where]
+
+
+def _finish_deletions(trainer: Any) -> None:
+    """At the end of ``train()``: the deletion of the checkpoints the last save retired is finished, as
+    the Trainer's own rotation deletes them before ``_save_checkpoint`` returns (a listing of the run
+    directory afterwards finds none of them, nor their renamed-aside remains)."""
+    for ckpts in _checkpoints.get(trainer, {}).values():
+        ckpts.wait()
 
 
 def _resume_path(trainer: Any) -> str:
@@ -134,9 +185,11 @@ def _resume_path(trainer: Any) -> str:
     one written without safeio, with a WARNING), the same on every rank (collective)."""
     found = _checkpoints_of(trainer).latest(unmarked=is_complete_by_trainer)
     if found is None:
-        # transformers raises ValueError here; InvalidTargetError is one, and a SafeIOError
+        # transformers' own message and type (ValueError: InvalidTargetError is one, and a SafeIOError),
+        # with what safeio looked for after it
         raise InvalidTargetError(
-            f"No committed (or complete) checkpoint found in output directory ({trainer.args.output_dir})",
+            f"No valid checkpoint found in output directory ({trainer.args.output_dir}): safeio resumes "
+            "from a committed checkpoint-N (or a complete one written without safeio) and found none",
             trainer.args.output_dir,
         )
     return found.path
@@ -144,30 +197,58 @@ def _resume_path(trainer: Any) -> str:
 
 def _save_committed(trainer: Any, model: Any, trial: Any, save: Callable[[Any, Any], None]) -> None:
     """``save`` (the Trainer's own ``_save_checkpoint``, bound) inside ``Checkpoints.save``, its output
-    directory redirected to the stage; rotation is the commit's retention."""
+    directory pointed at a view of the run directory (``_RunView``); the checkpoints the Trainer's own
+    rotation deleted there are retired after the commit."""
     run_dir = trainer._get_output_dir(trial=trial)
     ckpts = _checkpoints_of(trainer, run_dir)
     step = trainer.state.global_step
     folder = PREFIX.format(step=step)
     best = trainer.state.best_model_checkpoint
-    # A checkpoint-N of this step the plain Trainer left unfinished (a kill before safeio) is moved aside.
-    saving = ckpts.save(step, protect=[best] if best else [], unmarked=is_complete_by_trainer)
-    with saving as ckpt, _viewed_as(ckpt.path, folder) as view:
-        # An instance attribute for the duration: the Trainer's method builds its directory from it.
-        trainer._get_output_dir = lambda trial=None: view
+    # A checkpoint-N of this step the plain Trainer left (a kill before safeio, or a plain run's) is moved
+    # aside; the just-in-time checkpoint's placeholder is replaced.
+    saving = ckpts.save(
+        step, protect=[best] if best else [], unmarked=is_complete_by_trainer, placeholder=is_jit_placeholder
+    )
+    with saving as ckpt, _RunView.of(run_dir, folder, ckpt.path, _mirrored(trainer, run_dir)) as view:
+        # An instance attribute for the duration: the Trainer's method builds its directories from it, and
+        # finds its best checkpoint there (its rotation compares paths).
+        trainer._get_output_dir = lambda trial=None: view.path
+        trainer.state.best_model_checkpoint = _moved(best, run_dir, view.path)
         try:
             save(model, trial)
         finally:
             del trainer._get_output_dir
-        _point_best_at(trainer, run_dir, view, ckpt.path)
+            _point_best_at(trainer, run_dir, view.path, ckpt.path)
+        if ckpt.is_writer:
+            ckpt.retire(*view.rotated())
+
+
+def _moved(path: str | None, old: str, new: str) -> str | None:
+    """``path`` below directory ``old``, as the same path below ``new``; anything else unchanged."""
+    if path and path.startswith(old.rstrip(os.sep) + os.sep):
+        return os.path.join(new, os.path.relpath(path, old))
+    return path
+
+
+def _mirrored(trainer: Any, run_dir: str) -> Callable[[str], bool]:
+    """Which of the run directory's checkpoints the view shows: every ``checkpoint-*`` directory when
+    the Trainer rotates (``save_total_limit``), else only the best one, whose existence is all it asks."""
+    limit = trainer.args.save_total_limit
+    if limit is not None and limit > 0:
+        return lambda name: fnmatch.fnmatchcase(name, "checkpoint-*")
+    best_step = getattr(trainer.state, "best_global_step", None)  # transformers 5 (4.x: by path)
+    best_path = trainer.state.best_model_checkpoint
+    best = {PREFIX.format(step=best_step) if best_step else None, os.path.basename(best_path or "")}
+    return lambda name: name in best
 
 
 def _point_best_at(trainer: Any, run_dir: str, view: str, stage: str) -> None:
-    """The Trainer found the best checkpoint in the view (when it is the one being saved): point it,
-    and the trainer state saved in the stage, at the run directory."""
+    """The Trainer found the best checkpoint in the view: point it, and the trainer state saved in the
+    stage, at the run directory."""
     current = trainer.state.best_model_checkpoint
-    if current and current.startswith(view + os.sep):
-        trainer.state.best_model_checkpoint = os.path.join(run_dir, os.path.relpath(current, view))
+    moved = _moved(current, view, run_dir)
+    if moved != current:
+        trainer.state.best_model_checkpoint = moved
         if trainer.args.should_save and os.path.exists(os.path.join(stage, TRAINER_STATE)):
             trainer.state.save_to_json(os.path.join(stage, TRAINER_STATE))
 
@@ -184,35 +265,73 @@ class CheckpointsTrainerMixin:
         super().__init__(*args, **kwargs)
 
     def safeio_checkpoints(self, run_dir: str | None = None) -> Checkpoints:
-        """The ``Checkpoints`` of a run directory (default: ``args.output_dir``); retention keeps the
-        newest ``save_total_limit`` committed checkpoints."""
+        """The ``Checkpoints`` of a run directory (default: ``args.output_dir``), the one this trainer
+        commits its checkpoints into (its retention is the Trainer's own rotation)."""
         return _checkpoints_of(self, run_dir)
 
     def train(self, resume_from_checkpoint: str | bool | None = None, *args: Any, **kwargs: Any) -> Any:
         if resume_from_checkpoint is True:
             resume_from_checkpoint = _resume_path(self)  # collective: every rank gets the same answer
-        return super().train(resume_from_checkpoint, *args, **kwargs)  # type: ignore[misc]
+        result = super().train(resume_from_checkpoint, *args, **kwargs)  # type: ignore[misc]
+        _finish_deletions(self)
+        return result
 
     def _save_checkpoint(self, model: Any, trial: Any) -> None:
         _save_committed(self, model, trial, super()._save_checkpoint)  # type: ignore[misc]
 
 
-@contextlib.contextmanager
-def _viewed_as(stage: str, folder: str) -> Iterator[str]:
-    """A private directory where ``folder`` is a link to the shared ``stage``; saves nested in the
-    Trainer's (the tokenizer's ``save_pretrained`` under the patch) see the view as the stage."""
-    view = tempfile.mkdtemp(prefix="safeio-trainer-")
-    link = os.path.join(view, folder)
-    os.symlink(stage, link)
-    covered = active.covering(stage)
-    redirect, results = (covered[0], covered[1].results) if covered is not None else (None, None)
-    entry = active.ActiveStage(link, stage, replicated=redirect, results=results)
-    active.push(entry)
+class _RunView:
+    """A private directory the Trainer's ``_save_checkpoint`` takes for its run directory: ``folder`` is a
+    link to the shared stage (saves nested in the Trainer's, such as a tokenizer's ``save_pretrained``
+    under the patch, see it as the stage), and each of the run directory's other checkpoints that
+    ``mirrored`` names is an empty directory with the real one's modification time — what the Trainer's
+    ``best_model_checkpoint`` check and its rotation (``sort_checkpoints``: by modification time, or by
+    step when those are within a second) look at. What the rotation deletes there is ``rotated()``."""
+
+    def __init__(self, path: str, mirrors: list[str]) -> None:
+        self.path = path
+        self._mirrors = mirrors
+
+    @classmethod
+    @contextlib.contextmanager
+    def of(cls, run_dir: str, folder: str, stage: str, mirrored: Callable[[str], bool]) -> Iterator[_RunView]:
+        path = tempfile.mkdtemp(prefix="safeio-trainer-")
+        try:
+            link = os.path.join(path, folder)
+            os.symlink(stage, link)
+            view = cls(path, _mirror(run_dir, path, folder, mirrored))
+            covered = active.covering(stage)
+            redirect, results = (covered[0], covered[1].results) if covered is not None else (None, None)
+            entry = active.ActiveStage(link, stage, replicated=redirect, results=results)
+            active.push(entry)
+            try:
+                yield view
+            finally:
+                active.pop(entry)
+        finally:
+            shutil.rmtree(path, ignore_errors=True)
+
+    def rotated(self) -> list[str]:
+        """The checkpoints the Trainer's rotation deleted in the view."""
+        return [name for name in self._mirrors if not os.path.lexists(os.path.join(self.path, name))]
+
+
+def _mirror(run_dir: str, view: str, folder: str, mirrored: Callable[[str], bool]) -> list[str]:
     try:
-        yield view
-    finally:
-        active.pop(entry)
-        shutil.rmtree(view, ignore_errors=True)
+        names = os.listdir(run_dir)
+    except OSError:
+        return []
+    mirrors = []
+    for name in names:
+        real = os.path.join(run_dir, name)
+        if name == folder or not mirrored(name) or not os.path.isdir(real):  # as transformers' glob sees it
+            continue
+        with contextlib.suppress(OSError):
+            mtime = os.stat(real).st_mtime
+            os.mkdir(os.path.join(view, name))
+            os.utime(os.path.join(view, name), (mtime, mtime))
+            mirrors.append(name)
+    return mirrors
 
 
 # -- patch_trainer: the same, for every Trainer of the process (SAFEIO_PATCH) --------------------------
@@ -322,12 +441,15 @@ def _patched_save_checkpoint(original: Any) -> Any:
 def _patched_train(original: Any) -> Any:
     @functools.wraps(original)
     def train(self: Any, *args: Any, **kwargs: Any) -> Any:
-        if _installed and not isinstance(self, CheckpointsTrainerMixin):
-            if args and args[0] is True:
-                args = (_resume_path(self), *args[1:])
-            elif kwargs.get("resume_from_checkpoint") is True:
-                kwargs["resume_from_checkpoint"] = _resume_path(self)
-        return original(self, *args, **kwargs)
+        if not _installed or isinstance(self, CheckpointsTrainerMixin):
+            return original(self, *args, **kwargs)
+        if args and args[0] is True:
+            args = (_resume_path(self), *args[1:])
+        elif kwargs.get("resume_from_checkpoint") is True:
+            kwargs["resume_from_checkpoint"] = _resume_path(self)
+        result = original(self, *args, **kwargs)
+        _finish_deletions(self)
+        return result
 
     return train
 

@@ -77,3 +77,51 @@ def test_the_wheel_installs_into_a_fresh_environment(built: Path, tmp_path: Path
     assert patched[0].startswith(str(venv)) and patched[-1] == "active", patched
     unset = {k: v for k, v in borrowed.items() if k != "SAFEIO_PATCH"}
     assert _run([str(python), "-c", probe], env=unset, cwd=tmp_path).stdout.split()[-1] == "inactive"
+
+
+def _readme_install_lines() -> list[str]:
+    """The ``pip install`` lines of the README's Install section, as a user copies them."""
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    section = readme[readme.index("## Install") :]
+    section = section[: section.index("\n## ", 1)]
+    start = section.index("```bash") + len("```bash")
+    block = section[start : section.index("```", start)]
+    return [line.split("#", 1)[0].strip() for line in block.splitlines() if line.startswith("pip install")]
+
+
+def test_the_readme_install_lines_install_a_working_safeio(tmp_path: Path) -> None:
+    """A new user follows the README: ``pip install .`` in a clone, or the git URL form, into a fresh
+    virtual environment; then ``safeio demo`` runs there (torch and transformers borrowed from this
+    environment, as a user would have installed them for their platform first)."""
+    lines = _readme_install_lines()
+    in_clone = next(line for line in lines if line == "pip install .")
+    from_git = next(line for line in lines if "git+URL" in line)
+    clone = tmp_path / "clone"
+    _run(["git", "clone", "-q", str(ROOT), str(clone)])  # what is committed: a user's clone has no .venv
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("SAFEIO_", "PYTHON", "VIRTUAL_ENV"))}
+    # The git URL form without its extras: torch and transformers are borrowed below, not downloaded.
+    for name, line, cwd in (
+        ("venv-clone", in_clone, clone),
+        ("venv-git", from_git.replace("git+URL", f"git+file://{clone}").replace("[torch,hf]", ""), tmp_path),
+    ):
+        venv = tmp_path / name
+        _run([sys.executable, "-m", "venv", str(venv)])
+        # A current pip, as a user's: the one Python 3.11.7 bundles (23.2) refuses a git+file:// URL
+        # requirement (its parser wants a host in a non-file scheme).
+        _run([str(venv / "bin" / "python"), "-m", "pip", "install", "-q", "--upgrade", "pip"], env=env)
+        # The line as a shell runs it, the new environment's pip first on PATH (as after `activate`).
+        activated = {**env, "PATH": f"{venv / 'bin'}{os.pathsep}{env.get('PATH', '')}", "VIRTUAL_ENV": str(venv)}
+        _run(["bash", "-c", f"{line} -q --disable-pip-version-check"], cwd=cwd, env=activated)
+        assert "usage: safeio" in _run([str(venv / "bin" / "safeio"), "--help"], env=env).stdout
+
+    borrowed = {**env, "PYTHONPATH": sysconfig.get_paths()["purelib"]}
+    venv = tmp_path / "venv-clone"
+    probe = [str(venv / "bin" / "python"), "-c", "import safeio; print(safeio.__file__)"]
+    where = _run(probe, env=borrowed, cwd=tmp_path)
+    assert where.stdout.startswith(str(venv)), where.stdout  # the installed copy, not a checkout
+    demo = _run(
+        [str(venv / "bin" / "safeio"), "demo", "--ranks", "2", "--iterations", "1", "--local", "--json"],
+        env=borrowed,
+        cwd=tmp_path,
+    )
+    assert '"failed_saves": 0' in demo.stdout, demo.stdout

@@ -1,9 +1,14 @@
 """Every ```python block of README.md and docs/ runs (tests/_markdown_blocks.py says how), and every
-relative link of those pages points at a file that exists."""
+relative link of those pages points at a file that exists.
+
+Examples are written as users write them: they load their model and tokenizer from a local directory,
+``my-model/``, which every block finds in its working directory (a tiny Llama and a word-level fast
+tokenizer saved with ``save_pretrained``, built once per session: no model hub is reachable here)."""
 
 from __future__ import annotations
 
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -39,6 +44,19 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
+
+
+MODEL_DIR = "my-model"  # what the examples load, as a user's script loads its base model
+
+
+@pytest.fixture(scope="session")
+def saved_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from safeio.testing import hf_objects
+
+    where = tmp_path_factory.mktemp("model") / MODEL_DIR
+    hf_objects.tiny_model().save_pretrained(where)
+    hf_objects.fast_tokenizer().save_pretrained(where)
+    return where
 
 
 def _run(block: Block, workdir: Path) -> None:
@@ -81,7 +99,7 @@ def _run(block: Block, workdir: Path) -> None:
 
 
 @pytest.mark.parametrize("block", BLOCKS, ids=[b.id for b in BLOCKS])
-def test_example_runs(block: Block, tmp_path: Path) -> None:
+def test_example_runs(block: Block, tmp_path: Path, saved_model: Path) -> None:
     assert block.errors == [], "\n".join(block.errors)
     if block.skip is not None:
         pytest.skip(f"{block.id}: {block.skip}")
@@ -92,6 +110,7 @@ def test_example_runs(block: Block, tmp_path: Path) -> None:
     workdir = tmp_path / "cwd"
     workdir.mkdir()
     workdir.chmod(0o755)
+    shutil.copytree(saved_model, workdir / MODEL_DIR)
     _run(block, workdir)
 
 

@@ -110,7 +110,11 @@ def test_the_readme_install_lines_install_a_working_safeio(tmp_path: Path) -> No
         # requirement (its parser wants a host in a non-file scheme).
         _run([str(venv / "bin" / "python"), "-m", "pip", "install", "-q", "--upgrade", "pip"], env=env)
         # The line as a shell runs it, the new environment's pip first on PATH (as after `activate`).
-        activated = {**env, "PATH": f"{venv / 'bin'}{os.pathsep}{env.get('PATH', '')}", "VIRTUAL_ENV": str(venv)}
+        activated = {
+            **env,
+            "PATH": f"{venv / 'bin'}{os.pathsep}{env.get('PATH', '')}",
+            "VIRTUAL_ENV": str(venv),
+        }
         _run(["bash", "-c", f"{line} -q --disable-pip-version-check"], cwd=cwd, env=activated)
         assert "usage: safeio" in _run([str(venv / "bin" / "safeio"), "--help"], env=env).stdout
 

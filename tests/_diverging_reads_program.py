@@ -24,8 +24,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import transformers
-from transformers import LlamaConfig, LlamaForCausalLM, TrainingArguments
+from transformers import TrainingArguments
 from transformers.trainer_utils import get_last_checkpoint  # after `import transformers`, as run_clm
+
+from safeio.testing import hf_objects
 
 
 class Samples(torch.utils.data.Dataset):  # type: ignore[type-arg]
@@ -54,17 +56,7 @@ def train(output_dir: str, report_dir: str) -> None:
     if not dist.is_initialized():  # torchrun; Ray Train has made the process group already
         dist.init_process_group("gloo")
     last = _looked_for_a_checkpoint(output_dir)
-    torch.manual_seed(0)
-    model = LlamaForCausalLM(
-        LlamaConfig(
-            vocab_size=64,
-            hidden_size=32,
-            intermediate_size=64,
-            num_hidden_layers=2,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-        )
-    )
+    model = hf_objects.tiny_model(seed=0)
     args = TrainingArguments(
         output_dir=output_dir,
         max_steps=4,

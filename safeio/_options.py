@@ -156,7 +156,7 @@ GROUP: Option[object] = Option(
     Any,
     None,
     _group_unchecked,
-    "the ranks that save together (None: torch.distributed's, or one process)",
+    "the ranks that save together (None: safeio.current_group())",
 )
 TIMEOUT: Option[float] = Option(
     "timeout",

@@ -109,3 +109,10 @@ def test_the_mode_defaults_the_page_states_in_prose_match_the_table() -> None:
     assert cells["mode"]["replicated"] == '`"replace"`'
     assert '`"merge"` for `save_pretrained` and `patch_save_pretrained`' in page
     assert '`"replace"` for `replicated()`' in page
+
+
+def test_the_first_table_says_what_every_defined_option_means() -> None:
+    page = OPTIONS_PAGE.read_text(encoding="utf-8")
+    first = page.split("## Options", 1)[1].split("\n## ", 1)[0]
+    rows = [line for line in first.splitlines() if line.startswith("| `")]
+    assert sorted(row.split("|")[1].strip().strip("`") for row in rows) == sorted(OPTIONS)

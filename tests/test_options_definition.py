@@ -8,6 +8,7 @@ or retypes an option, or changes a default, without the definition saying so fai
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import json
 import os
@@ -77,6 +78,13 @@ def test_save_options_checks_every_option_but_the_group_with_the_definitions_def
     assert set(parameters) == set(OPTIONS) - {"group"}
     for name, parameter in parameters.items():
         assert parameter.default == OPTIONS[name].default, name
+
+
+def test_save_options_fields_default_to_the_definition_where_no_environment_variable_stands_in() -> None:
+    # timeout and warn_after default to None in every signature: the field holds the environment's value.
+    fields = {field.name: field.default for field in dataclasses.fields(SaveOptions)}
+    for name in ("mode", "durable", "lock", "manifest", "writer"):
+        assert fields[name] == OPTIONS[name].default, name
 
 
 def test_a_patched_call_may_override_exactly_the_options_the_patch_takes() -> None:

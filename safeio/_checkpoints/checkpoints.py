@@ -66,7 +66,7 @@ from safeio._errors import (
     PeerTimeout,
     RemoteWriterError,
 )
-from safeio._options import SaveOptions, flag
+from safeio._options import LockSetting, SaveOptions, flag
 from safeio._promotion import active
 from safeio._promotion.backends import backend_for
 from safeio._promotion.steps import (
@@ -163,7 +163,7 @@ class Checkpoints:
         group: Any = None,
         timeout: float | None = None,
         durable: bool = True,
-        lock: bool | str = "auto",
+        lock: LockSetting = "auto",
         megatron_tracker: bool = False,
         warn_after: float | None = None,
         pointer: bool = True,

@@ -27,7 +27,7 @@ from safeio._coordination.channel import Channel, Outcome, decode_value, encode_
 from safeio._coordination.group import Group, resolve_group
 from safeio._diagnostics.watchdog import Watchdog
 from safeio._errors import UnsupportedSaveError
-from safeio._options import SaveOptions
+from safeio._options import LockSetting, Mode, SaveOptions
 from safeio._promotion import active
 from safeio._promotion.atomic_file import FilePromotion
 from safeio._promotion.backends import backend_for
@@ -262,9 +262,9 @@ def replicated(
     *,
     group: Any = None,
     timeout: float | None = None,
-    mode: str = "replace",
+    mode: Mode = "replace",
     durable: bool = True,
-    lock: bool | str = "auto",
+    lock: LockSetting = "auto",
     manifest: bool = True,
     writer: int | None = None,
     warn_after: float | None = None,

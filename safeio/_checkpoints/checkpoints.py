@@ -34,6 +34,13 @@ from types import TracebackType
 from typing import Any
 
 from safeio._checkpoints.pending import PendingCommit, check_future, wait_for_future
+from safeio._checkpoints.steps import (
+    ExistingDirectory,
+    StepNames,
+    StepPromotion,
+    check_step,
+)
+from safeio._checkpoints.storage import steps_for
 from safeio._coordination.calls import MalformedValue, Progress, StoreGone, poll_until
 from safeio._coordination.checkpoint_call import CheckpointCall, text
 from safeio._coordination.checkpoint_shares import (
@@ -69,17 +76,10 @@ from safeio._errors import (
 from safeio._options import SaveOptions, flag
 from safeio._promotion import active
 from safeio._promotion.backends import backend_for
-from safeio._promotion.steps import (
-    LATEST,
-    MEGATRON_TRACKER,
-    ExistingDirectory,
-    StepNames,
-    StepPromotion,
-    check_step,
-)
 from safeio._stalls import Cadence, seconds
 from safeio._storage.dirfd import fsync_files, held_directory, is_relative_name
 from safeio._storage.fsops import discard_tree
+from safeio._storage.names import LATEST, MEGATRON_TRACKER
 from safeio._who import who
 
 __all__ = ["DEFAULT_KEEP", "LATEST", "MEGATRON_TRACKER", "Checkpoint", "CheckpointStage", "Checkpoints"]
@@ -174,8 +174,8 @@ class Checkpoints:
             flag(value, option, backend.url())
         names = StepNames(name, backend.url())
         self.options = SaveOptions.of(timeout=timeout, durable=durable, lock=lock, warn_after=warn_after)
-        self._steps = backend.steps(
-            names, self.options, keep=keep, megatron_tracker=megatron_tracker, pointer=pointer
+        self._steps = steps_for(
+            backend, names, self.options, keep=keep, megatron_tracker=megatron_tracker, pointer=pointer
         )
         self.root = self._steps.root_url
         self.keep_given = keep is not DEFAULT_KEEP  # see DEFAULT_KEEP

@@ -84,7 +84,7 @@ class NestedResults:
 
 
 class FsyncShares:
-    """The ``safeio._promotion.steps.SharedFsyncs`` of one durable commit: the writer hands every rank a
+    """The ``safeio._checkpoints.steps.SharedFsyncs`` of one durable commit: the writer hands every rank a
     share of the stage's files (``fsync``), each rank syncs its share and answers (``synced/<rank>``: the
     files it could not), all at once; the writer syncs its own share meanwhile, then what is left.
 

@@ -25,17 +25,7 @@ from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 from safeio._boundary import os_failure
-from safeio._errors import InvalidTargetError, PromotionError, SafeIOError, TargetExistsError
-from safeio._options import exchange_disabled
-from safeio._promotion.aside import RenameAside
-from safeio._promotion.atomic_file import AtomicFile
-from safeio._promotion.base import PhaseHook, Promoted
-from safeio._promotion.exchange import ExchangeRename
-from safeio._promotion.leftovers import recover_directory
-from safeio._promotion.steps import (
-    LATEST,
-    MEGATRON_TRACKER,
-    SEQUENCE,
+from safeio._checkpoints.steps import (
     CommittedStep,
     ExistingDirectory,
     SharedFsyncs,
@@ -43,19 +33,25 @@ from safeio._promotion.steps import (
     StepPromotion,
     StepStorage,
 )
+from safeio._errors import InvalidTargetError, PromotionError, SafeIOError, TargetExistsError
+from safeio._options import exchange_disabled
+from safeio._promotion.aside import RenameAside
+from safeio._promotion.atomic_file import AtomicFile
+from safeio._promotion.base import PhaseHook, Promoted
+from safeio._promotion.exchange import ExchangeRename
+from safeio._promotion.leftovers import recover_directory
 from safeio._storage import claims, manifest
 from safeio._storage.dirfd import fsync_files, held_directory, is_component, lstat_at
 from safeio._storage.fsops import carry_missing, remove_at
 from safeio._storage.location import Location
 from safeio._storage.locking import held, lock_path_for, make_lock
-from safeio._storage.names import parse, sibling_name
+from safeio._storage.names import LATEST, MEGATRON_TRACKER, ROOT_LOCK, SEQUENCE, parse, sibling_name
 from safeio._storage.posix import rename_noreplace
 from safeio._storage.readers import LocalReader, read_pointer
 from safeio._who import who
 
 logger = logging.getLogger("safeio")
 
-ROOT_LOCK = "checkpoints"  # one promotion lock per root: ``.checkpoints.safeio.lock``
 _SEQUENCE_CAP = 64  # bytes: a decimal number
 
 

@@ -1,9 +1,9 @@
 """The steps of a ``safeio.Checkpoints`` root: their names, their pointer files, and what every kind of
-place holding them shares (``StepStorage``). One subclass per storage behaviour, made by the root's back
-end: ``LocalSteps`` (a stage directory and a rename, ``step_directories``) and ``ObjectSteps`` (in place
-under the step's prefix, committed by its marker, ``step_prefixes``). A commit is a promotion of the
-step's stage through ``Promotion.finish``, like any directory save; the checkpoint layer above says who
-commits and when.
+place holding them shares (``StepStorage``). One subclass per storage behaviour, registered for the
+root's back end (``storage``): ``LocalSteps`` (a stage directory and a rename, ``step_directories``) and
+``ObjectSteps`` (in place under the step's prefix, committed by its marker, ``step_prefixes``). A commit
+is a promotion of the step's stage through ``Promotion.finish``, like any directory save; the checkpoint
+layer above says who commits and when.
 """
 
 from __future__ import annotations
@@ -27,10 +27,6 @@ from safeio._threads import start_background
 from safeio._who import who
 
 logger = logging.getLogger("safeio")
-
-LATEST = "latest"  # DeepSpeed's pointer file: the name of the newest checkpoint directory
-MEGATRON_TRACKER = "latest_checkpointed_iteration.txt"  # Megatron's: the newest iteration number
-SEQUENCE = ".checkpoints.safeio.sequence"  # the last sequence number given to a commit in this root
 
 
 class StepNames:

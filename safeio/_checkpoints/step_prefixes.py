@@ -27,22 +27,20 @@ from collections.abc import Iterable
 from typing import Any
 
 from safeio._boundary import mapped
-from safeio._errors import InvalidTargetError, TargetExistsError
-from safeio._promotion.base import PhaseHook
-from safeio._promotion.steps import (
-    LATEST,
-    MEGATRON_TRACKER,
-    SEQUENCE,
+from safeio._checkpoints.steps import (
     CommittedStep,
     ExistingDirectory,
     StepNames,
     StepPromotion,
     StepStorage,
 )
+from safeio._errors import InvalidTargetError, TargetExistsError
+from safeio._promotion.base import PhaseHook
 from safeio._storage import manifest
 from safeio._storage.dirfd import held_directory
 from safeio._storage.fsops import discard_tree
 from safeio._storage.location import Location
+from safeio._storage.names import LATEST, MEGATRON_TRACKER, SEQUENCE
 from safeio._storage.readers import POINTER_CAP, ObjectStoreReader
 from safeio._who import who
 

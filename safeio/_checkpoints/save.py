@@ -265,7 +265,7 @@ class CheckpointSave:
                 self.call.check_gave_up()  # before the commit's work: a rank that gave up is told "not"
                 # The stage the writer's replicated files are in: the shared one, or scratch (uploaded).
                 shares = FsyncShares(self.call, self.timeout) if self._syncs else None
-                promotion.retire_also.update(self.retire_names)
+                promotion.root.retire_also.update(self.retire_names)
                 promoted = promotion.finish_step(
                     self._scratch or self._stage, shares, commit_point=self.call.commit_point
                 )

@@ -1,17 +1,13 @@
-"""Checkpoint steps on a POSIX filesystem (local disk, NFS): a stage directory beside the step, one rename.
+"""The steps of a checkpoint root on a POSIX filesystem (local disk, NFS): ``LocalSteps`` reads them
+(names, markers, the pointer files) and makes each commit, a ``StepRename`` (``step_rename``) handed a
+``LocalRootCommit``: what the commit needs from the root (the next sequence number under the root's
+lock, then ``latest`` and retention), so that the commit never reaches back into ``LocalSteps``.
 
-The writer makes ``.step_N.safeio-stage-<owner>`` beside the step's final name (``StepRename.open_stage``,
-the same stage any directory save makes); every rank writes its part there. The commit is that
-promotion's ``finish``: the stage is checked to be the directory the writer made, its modes settled, and
-under the root's lock (the ``lock`` option: a flock on the root directory itself locally, a lease marker
-``.checkpoints.safeio.lock`` on a network filesystem) the next sequence number is given (recorded in
-``.checkpoints.safeio.sequence`` where the root keeps pointers), the manifest of every file written last
-with the step and the sequence in it (the marker), fsynced as configured, and the stage renamed to
-``step_N`` — exchanged with what stands there when the step is committed already, or renamed aside where
-exchange is refused: the commit point. Then, still under the lock, ``latest`` is pointed at it and
-retired steps (and a replaced old version) are renamed aside; they are deleted after, on a background
-thread, without the lock. A failure after the rename is a warning: the step is committed. Stages of
-crashed saves are removed by the next save (or ``safeio gc``), never one whose owner may be alive.
+Before a save's body, what stands at the step's name is judged: this user's commit of the step is
+replaced by the commit; a directory written without safeio is moved aside (by the framework's own
+judgement), replaced (a placeholder, or one the script saves into) or refused, naming it. Stages of
+crashed saves are removed by this process's first save here (or ``safeio gc``), never one whose owner
+may be alive.
 """
 
 from __future__ import annotations
@@ -21,31 +17,28 @@ import logging
 import os
 import stat
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable
 from typing import Any
 
 from safeio._boundary import os_failure
+from safeio._checkpoints.step_rename import StepRename
 from safeio._checkpoints.steps import (
     CommittedStep,
     ExistingDirectory,
-    SharedFsyncs,
+    RootCommit,
     StepNames,
     StepPromotion,
     StepStorage,
 )
-from safeio._errors import InvalidTargetError, PromotionError, SafeIOError, TargetExistsError
-from safeio._options import exchange_disabled
-from safeio._promotion.aside import RenameAside
+from safeio._errors import InvalidTargetError, SafeIOError, TargetExistsError
 from safeio._promotion.atomic_file import AtomicFile
-from safeio._promotion.base import PhaseHook, Promoted
-from safeio._promotion.exchange import ExchangeRename
+from safeio._promotion.base import PhaseHook
 from safeio._promotion.leftovers import recover_directory
-from safeio._storage import claims, manifest
-from safeio._storage.dirfd import fsync_files, held_directory, is_component, lstat_at
-from safeio._storage.fsops import carry_missing, remove_at
+from safeio._storage import claims
+from safeio._storage.dirfd import held_directory, is_component, lstat_at
+from safeio._storage.fsops import remove_at
 from safeio._storage.location import Location
-from safeio._storage.locking import held, lock_path_for, make_lock
-from safeio._storage.names import LATEST, MEGATRON_TRACKER, ROOT_LOCK, SEQUENCE, parse, sibling_name
+from safeio._storage.names import LATEST, MEGATRON_TRACKER, SEQUENCE, parse, sibling_name
 from safeio._storage.posix import rename_noreplace
 from safeio._storage.readers import LocalReader, read_pointer
 from safeio._who import who
@@ -53,168 +46,6 @@ from safeio._who import who
 logger = logging.getLogger("safeio")
 
 _SEQUENCE_CAP = 64  # bytes: a decimal number
-
-
-class StepRename(ExchangeRename, StepPromotion):
-    """One step's commit: the stage renamed to the step's name. What stands there already — this user's
-    commit of the same step (a rollback, a re-run into the same root), or a directory the caller's
-    ``ExistingDirectory`` lets the commit replace — is swapped out at the commit, as a directory save
-    replaces its target (``renameat2`` exchange, or renamed aside where the filesystem refuses it): the
-    old version stays whole under the name until the new one takes it, and is then deleted like a
-    retired step, after the lock."""
-
-    hashes_when_durable = False
-
-    def __init__(
-        self,
-        location: Location,
-        *,
-        steps: LocalSteps,
-        protect: frozenset[str],
-        existing: ExistingDirectory,
-        **save: Any,
-    ) -> None:
-        # No recovery of the step's own siblings under the lock: the only ones a step has are stages,
-        # and the root's dead ones were recovered when this process opened its first stage there.
-        super().__init__(location, recover=_nothing_to_recover, **save)
-        self._steps = steps
-        self._protect = protect
-        self._existing = existing
-        self._renamed = False
-        self._fsyncs: SharedFsyncs | None = None
-        self.shares_fsyncs = self.options.durable
-        self._replaced: list[str] = []  # old versions renamed aside, deleted after the commit
-        self.retire_also: set[str] = set()  # steps the framework's own retention chose (see retire())
-
-    def finish_step(
-        self,
-        stage: str,
-        fsyncs: SharedFsyncs | None = None,
-        *,
-        commit_point: Callable[[], None] | None = None,
-    ) -> Promoted:
-        self._fsyncs = fsyncs
-        if self._existing.adopt:
-            self._adopt_existing()
-        return super().finish_step(stage, fsyncs, commit_point=commit_point)
-
-    def _adopt_existing(self) -> None:
-        """``ExistingDirectory.adopt``: the files of the directory the script saves into are kept in the
-        committed step, where the save wrote nothing of the same name (its files win) — also when it is
-        an earlier commit of the step: a tokenizer the script wrote there before its first save stays."""
-        found = lstat_at(self.parent_fd, self.name)
-        if found is None or not self._steps.replaceable(self.name, found, self._existing):
-            return
-        with held_directory(self.name, dir_fd=self.parent_fd) as existing_fd:
-            carried = carry_missing(existing_fd, self.stage_fd, skip=_not_content)
-        logger.debug("%s: %d file(s) of %s kept in step %s", who(self.rank), carried, self.target, self.step)
-
-    def _files_synced_in_walk(self) -> bool:
-        return self._fsyncs is None or not self.options.manifest  # else shared out: _sync_files
-
-    def _sync_files(self) -> None:
-        # Each rank syncs its share of the files at the same time; the writer its own, then whatever
-        # another rank could not (see CheckpointSave). The manifest and the directories stay the writer's.
-        if self._fsyncs is None or not self.options.manifest:  # no manifest entries: no list to share
-            super()._sync_files()
-            return
-        sizes = {rel: int(entry.get("size", 0)) for rel, entry in self.contents.entries.items()}
-        own = self._fsyncs.hand_out(sizes)
-        left = fsync_files(self.stage_fd, own)
-        left += self._fsyncs.left_over()
-        unsynced = fsync_files(self.stage_fd, left)
-        if unsynced:
-            raise PromotionError(
-                f"could not sync {', '.join(unsynced[:5])} of the stage of step {self.step} "
-                f"({len(unsynced)} file(s)): they vanished or cannot be opened; nothing was committed",
-                self.target,
-            )
-
-    def check_target(self) -> None:
-        found = self._target_stat()
-        if found is None:
-            return
-        if self._steps.replaceable(self.name, found, self._existing):
-            return
-        raise TargetExistsError(
-            f"{self.target} appeared meanwhile and is not a step safeio may replace (a commit of this "
-            "user's, or a directory the save was told it may replace); nothing was committed",
-            self.target,
-        )
-
-    def lock_name(self) -> str:
-        return ROOT_LOCK  # the root's entries (the sequence, latest, retention) change with every commit
-
-    @contextlib.contextmanager
-    def _locked(self) -> Iterator[None]:
-        # The root directory itself is locked (a flock on it, locally): no lock file is left in a
-        # framework's own directory, whose listing its users and tests read. Network filesystems take a
-        # lease, whose marker stands only while the commit holds it.
-        lock = make_lock(
-            lock_path_for(self.parent, self.lock_name()),
-            self.options.lock,
-            self.lock_timeout(),
-            self.options.lease_seconds,
-            parent_fd=self.parent_fd,
-            on_directory=True,
-        )
-        with held(lock, self.target, self.rank):
-            yield
-
-    def _promote_unlocked(self, stage: str, entries: dict[str, dict[str, Any]]) -> bool:
-        return False  # the sequence, latest and retention need the root's lock even for a new step
-
-    def _promote(self, stage: str, entries: dict[str, dict[str, Any]]) -> None:
-        self.sequence = self._steps.next_sequence(self.parent_fd)
-        try:
-            super()._promote(stage, entries)
-        except (OSError, SafeIOError) as exc:
-            if not self._renamed:
-                raise  # before the commit point: nothing is committed
-            self.warnings.append(f"the root {self.parent} could not be synced after the commit ({exc})")
-        committed = CommittedStep(int(self.step or 0), self.name, self.sequence)
-        self._steps.remember(committed)
-        self.warnings.extend(
-            self._steps.after_commit(
-                self.parent_fd, committed, self._protect, self.phase, self.retire_also, self._replaced
-            )
-        )
-
-    def before_rename(self) -> None:
-        self.passing_commit_point()  # the manifest is written and sealed; the rename is the commit
-
-    def _put_in_place(self, stage: str, entries: dict[str, dict[str, Any]]) -> None:
-        super()._put_in_place(stage, entries)
-        self._renamed = True  # the commit point
-
-    def _swap(self) -> None:
-        # NFS and FUSE refuse RENAME_EXCHANGE (EINVAL): asking would cost a round trip, and its fallback a
-        # WARNING on the first rollback (or just-in-time checkpoint) of every job. A step replaced there is
-        # missing for an instant, never torn: latest() meanwhile names the previous commit.
-        if exchange_disabled() or not self._noreplace_flag():
-            RenameAside._swap(self)
-        else:
-            super()._swap()
-
-    def remove_old_version(self, name: str) -> None:
-        """The version the commit replaced (at ``name``: the stage's after an exchange, the aside one
-        otherwise) is renamed aside as a retired step is, and deleted with them after the lock: a step's
-        gigabytes are not deleted while every later commit of the root waits."""
-        aside = claims.claim(sibling_name(self.name, "tmp"))  # released once deleted
-        try:
-            os.rename(name, aside, src_dir_fd=self.parent_fd, dst_dir_fd=self.parent_fd)
-        except OSError as exc:
-            claims.release(aside)
-            self.warnings.append(
-                f"step {self.step} is committed, but its previous version {os.path.join(self.parent, name)} "
-                f"could not be set aside for deletion ({exc}); `safeio gc {self.parent}` removes it"
-            )
-            return
-        self._replaced.append(aside)
-
-
-def _nothing_to_recover(parent: str, parent_fd: int, target_name: str, durable: bool, own_stage: str) -> None:
-    del parent, parent_fd, target_name, durable, own_stage
 
 
 class LocalSteps(StepStorage):
@@ -293,15 +124,14 @@ class LocalSteps(StepStorage):
             raise os_failure(
                 f"cannot open the stage of step {step} under {self.root}", self.root, exc
             ) from exc
+        root = LocalRootCommit(self, step, final_name, frozenset(protect), existing)
         return StepRename(
             Location(final, final),
             options=self.options,
             rank=rank,
             call_id=f"checkpoint/{step}",
-            step=step,
-            steps=self,
-            protect=frozenset(protect),
-            existing=existing,
+            root=root,
+            adopt=existing.adopt,
             on_phase=on_phase,
         )
 
@@ -393,58 +223,6 @@ class LocalSteps(StepStorage):
         )
         return True
 
-    def next_sequence(self, root_fd: int) -> int:
-        """Under the root's lock, before the commit: the next number in commit order. Recorded first
-        where the root keeps the record (see ``StepStorage``), so that no two commits share one even if
-        a pointer is never written; without it, one past the highest a step's marker holds, which the
-        lock keeps unique (the next commit reads this one's marker)."""
-        del root_fd
-        recorded = self.read_sequence()
-        number = self.next_number(recorded)
-        if self.pointer or recorded is not None or os.path.lexists(self.url(SEQUENCE)):
-            self._write(SEQUENCE, str(number))
-        return number
-
-    def after_commit(
-        self,
-        root_fd: int,
-        committed: CommittedStep,
-        protect: frozenset[str],
-        phase: PhaseHook,
-        retire_also: Iterable[str] = (),
-        replaced: Iterable[str] = (),
-    ) -> list[str]:
-        """Everything after the commit point, best effort: each failure is a warning saying how it is
-        repaired, never an error (the step is committed and every rank is told so). ``replaced``: old
-        versions of the step, already renamed aside, deleted with the retired steps."""
-        warnings = []
-        phase("pointer")
-        try:
-            if self.pointer or os.path.lexists(self.url(LATEST)):
-                self._write(LATEST, committed.name)
-            if self.megatron_tracker:
-                self._write(MEGATRON_TRACKER, str(committed.step))
-        except (OSError, SafeIOError) as exc:
-            warnings.append(
-                f"step {committed.step} is committed, but the pointer in {self.root} was not updated "
-                f"({exc}); latest() still finds the step, and the next save writes the pointer"
-            )
-        phase("retention")
-        try:
-            self._retire(root_fd, self.retired(committed, protect, retire_also), list(replaced))
-        except (OSError, SafeIOError) as exc:
-            warnings.append(
-                f"step {committed.step} is committed, but retention under {self.root} failed ({exc}); the "
-                "next save retries it"
-            )
-        return warnings
-
-    def _write(self, name: str, text: str) -> None:
-        path = self.url(name)
-        AtomicFile(Location(path, path), exclusive=False, durable=self.options.durable).write_whole(
-            text.encode()
-        )
-
     def _retire(self, root_fd: int, retired: list[CommittedStep], replaced: list[str]) -> None:
         """Each retired step renamed aside now, under the lock (a reader never finds a half-deleted
         checkpoint under its name), and deleted later without it, with the ``replaced`` old versions
@@ -489,10 +267,68 @@ class LocalSteps(StepStorage):
             return False
 
 
-def _not_content(name: str) -> bool:
-    """What a directory a save adopts holds that is no file of the checkpoint: a safeio marker (an earlier
-    save's manifest: the commit writes its own) or a safeio leftover."""
-    return name == manifest.MANIFEST_NAME or parse(name) is not None
+class LocalRootCommit(RootCommit):
+    """What the commit of one step on POSIX needs from its root (see ``RootCommit``): the next sequence
+    number, the pointer files, retention (retired steps renamed aside under the lock, deleted after it),
+    and whether what stands at the step's name may be replaced. Made by ``LocalSteps.promotion``, which
+    it reads the root through."""
+
+    def __init__(
+        self, steps: LocalSteps, step: int, name: str, protect: frozenset[str], existing: ExistingDirectory
+    ) -> None:
+        super().__init__(step, name, protect)
+        self._steps = steps
+        self._existing = existing
+
+    def may_replace(self, found: os.stat_result) -> bool:
+        return self._steps.replaceable(self.name, found, self._existing)
+
+    def next_sequence(self) -> int:
+        """Under the root's lock, before the commit: the next number in commit order. Recorded first
+        where the root keeps the record (see ``StepStorage``), so that no two commits share one even if
+        a pointer is never written; without it, one past the highest a step's marker holds, which the
+        lock keeps unique (the next commit reads this one's marker)."""
+        steps = self._steps
+        recorded = steps.read_sequence()
+        number = steps.next_number(recorded)
+        if steps.pointer or recorded is not None or os.path.lexists(steps.url(SEQUENCE)):
+            self._write(SEQUENCE, str(number))
+        return number
+
+    def after_commit(
+        self, sequence: int, phase: PhaseHook, replaced: Iterable[str] = (), root_fd: int | None = None
+    ) -> list[str]:
+        assert root_fd is not None, "a commit on POSIX holds its root open"
+        steps, committed = self._steps, self.committed(sequence)
+        steps.remember(committed)  # its marker need not be read back for retention
+        warnings = []
+        phase("pointer")
+        try:
+            if steps.pointer or os.path.lexists(steps.url(LATEST)):
+                self._write(LATEST, committed.name)
+            if steps.megatron_tracker:
+                self._write(MEGATRON_TRACKER, str(committed.step))
+        except (OSError, SafeIOError) as exc:
+            warnings.append(
+                f"step {committed.step} is committed, but the pointer in {steps.root} was not updated "
+                f"({exc}); latest() still finds the step, and the next save writes the pointer"
+            )
+        phase("retention")
+        try:
+            retired = steps.retired(committed, self.protect, self.retire_also)
+            steps._retire(root_fd, retired, list(replaced))
+        except (OSError, SafeIOError) as exc:
+            warnings.append(
+                f"step {committed.step} is committed, but retention under {steps.root} failed ({exc}); the "
+                "next save retries it"
+            )
+        return warnings
+
+    def _write(self, name: str, text: str) -> None:
+        path = self._steps.url(name)
+        AtomicFile(Location(path, path), exclusive=False, durable=self._steps.options.durable).write_whole(
+            text.encode()
+        )
 
 
 def _unused_name(root_fd: int, base: str) -> str | None:

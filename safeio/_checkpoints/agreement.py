@@ -13,8 +13,8 @@ from collections.abc import Callable
 from typing import Any
 
 from safeio._checkpoints.steps import StepNames, StepStorage
-from safeio._coordination.calls import MalformedValue, Progress, StoreGone, poll_until
-from safeio._coordination.checkpoint_call import CheckpointCall, text
+from safeio._coordination.calls import MalformedValue, Progress, StoreGone, poll_until, text
+from safeio._coordination.checkpoint_call import CheckpointCall
 from safeio._coordination.checkpoint_status import DONE, OUTCOME, RESOLVE, advice
 from safeio._coordination.group import Group
 from safeio._diagnostics.watchdog import Watchdog
@@ -66,7 +66,9 @@ class Agreement:
         deadline = time.monotonic() + self.options.timeout
         if group.is_writer:
             # Reading the root can hang on a mount that does not answer: the writer says so itself.
-            with watchdog_for(call, self.options):
+            with Watchdog(
+                call.status, self.options.warn_after, rank=group.rank, role="this rank", advice=advice
+            ):
                 try:
                     found = [(int(s), str(n)) for s, n in resolve_here()]
                 except InvalidTargetError as exc:
@@ -169,8 +171,3 @@ class Agreement:
             ),
             progress=Progress(cadence, still_waiting),
         )
-
-
-def watchdog_for(call: CheckpointCall, options: SaveOptions) -> Watchdog:
-    """The watchdog of this rank in ``call``, for the thread that starts it."""
-    return Watchdog(call.status, options.warn_after, rank=call.group.rank, role="this rank", advice=advice)

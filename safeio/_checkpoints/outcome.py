@@ -8,7 +8,7 @@ import logging
 from typing import Any
 
 from safeio._checkpoints.steps import StepPromotion
-from safeio._coordination.checkpoint_call import text
+from safeio._coordination.calls import text
 from safeio._errors import CheckpointError
 from safeio._who import who
 

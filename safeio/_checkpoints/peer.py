@@ -14,8 +14,8 @@ import time
 from typing import TYPE_CHECKING
 
 from safeio._checkpoints.outcome import failure, note_warnings, outcome_problem
-from safeio._coordination.calls import MalformedValue, StoreGone
-from safeio._coordination.checkpoint_call import CheckpointCall, text
+from safeio._coordination.calls import MalformedValue, StoreGone, text
+from safeio._coordination.checkpoint_call import CheckpointCall
 from safeio._coordination.checkpoint_shares import hear_fsync_share, report_sync_failed, report_synced
 from safeio._coordination.checkpoint_status import FSYNC, OUTCOME
 from safeio._errors import CheckpointError, PeerTimeout

@@ -21,29 +21,41 @@ completes (see ``PendingCommit``).
 
 from __future__ import annotations
 
+import logging
 import os
 import tempfile
 import time
 from types import TracebackType
 from typing import TYPE_CHECKING, Any
 
-from safeio._checkpoints.agreement import watchdog_for
-from safeio._checkpoints.outcome import abandon, failure, note_warnings
+from safeio._checkpoints.outcome import abandon, failure
 from safeio._checkpoints.peer import exit_peer, gave_up, join_stage
 from safeio._checkpoints.pending import PendingCommit, check_future, wait_for_future
 from safeio._checkpoints.steps import ExistingDirectory, StepPromotion
 from safeio._coordination.calls import StoreGone
 from safeio._coordination.checkpoint_call import CheckpointCall
 from safeio._coordination.checkpoint_shares import FsyncShares, NestedResults
-from safeio._coordination.checkpoint_status import ASYNC_SAVE, BODY, COMMIT_PHASES, DONE, REPORT, STAGE
+from safeio._coordination.checkpoint_status import (
+    ASYNC_SAVE,
+    BODY,
+    COMMIT_PHASES,
+    DONE,
+    REPORT,
+    STAGE,
+    advice,
+)
 from safeio._coordination.group import Group
 from safeio._diagnostics.watchdog import Watchdog
 from safeio._errors import CheckpointError, CollectiveMismatch, PeerTimeout
+from safeio._options import SaveOptions
 from safeio._promotion import active
 from safeio._storage.fsops import discard_tree
+from safeio._who import who
 
 if TYPE_CHECKING:
     from safeio._checkpoints.checkpoints import Checkpoints
+
+logger = logging.getLogger("safeio")
 
 
 class CheckpointStage:
@@ -284,7 +296,9 @@ class CheckpointSave:
             raise failure(self._not_committed(failed, missing), rank, self.step, self.final)
         # Committed: what failed after the commit point is a warning every rank hears, never a failure.
         self.call.decide({"ok": True, "path": self.final, "warnings": list(promoted.warnings)})
-        self.warnings = note_warnings(list(promoted.warnings), rank)
+        self.warnings = list(promoted.warnings)  # its own: no need to check them as heard ones are
+        for warning in self.warnings:
+            logger.warning("%s: %s", who(rank), warning)
 
     def _not_committed(self, failed: dict[int, str], missing: list[int]) -> dict[str, Any]:
         """The writer: the stage goes and every rank hears that nothing was committed, and why."""
@@ -299,3 +313,8 @@ class CheckpointSave:
         }
         self.call.decide(outcome)
         return outcome
+
+
+def watchdog_for(call: CheckpointCall, options: SaveOptions) -> Watchdog:
+    """The watchdog of this rank in ``call``, for the thread that starts it."""
+    return Watchdog(call.status, options.warn_after, rank=call.group.rank, role="this rank", advice=advice)

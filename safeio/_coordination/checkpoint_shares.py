@@ -14,9 +14,9 @@ import time
 from dataclasses import asdict
 from typing import Any
 
-from safeio._coordination.calls import VALUE_CAP, MalformedValue, digest
-from safeio._coordination.channel import Outcome, decode_value, encode_value
-from safeio._coordination.checkpoint_call import CheckpointCall, DecidedFirst, LeftTheCall, text
+from safeio._coordination.calls import VALUE_CAP, MalformedValue, digest, text
+from safeio._coordination.checkpoint_call import CheckpointCall, DecidedFirst, LeftTheCall
+from safeio._coordination.save_outcome import Outcome, decode_value, encode_value
 from safeio._errors import CheckpointError, PeerTimeout
 
 # How long the writer waits for the other ranks' fsyncs beyond four times its own share's (FsyncShares).

@@ -159,16 +159,9 @@ def recover_directory(
             return []
     now = time.time()
     listing = sorted(os.listdir(parent_fd))
-    candidates = (parse(name) for name in listing if ".safeio-" in name)
-    siblings = [s for s in candidates if s is not None and s.kind != "v"]
-    if target_name is not None:
-        siblings = [s for s in siblings if s.belongs_to(target_name)]
-    if kinds is not None:
-        siblings = [s for s in siblings if s.kind in kinds]
-    siblings.sort(key=lambda s: _ORDER.get(s.kind, 2))
     owners = TargetOwners(parent_fd, listing)
     actions: list[Action] = []
-    for sibling in siblings:
+    for sibling in _siblings(listing, target_name, kinds):
         stale, reason = staleness(sibling, parent, parent_fd, older_than, now, owners.of(sibling))
         if not stale:
             if reason.startswith(FOREIGN):
@@ -189,6 +182,18 @@ def recover_directory(
         for versioned in versioned_targets(parent_fd, target_name, listing):
             actions.extend(prune(parent, parent_fd, versioned, dry_run=dry_run, now=now))
     return actions
+
+
+def _siblings(listing: list[str], target_name: str | None, kinds: frozenset[str] | None) -> list[Sibling]:
+    """The safeio siblings in ``listing`` that recovery judges (not version directories: pruned apart),
+    only ``target_name``'s and of ``kinds`` where given, in the order they are put right."""
+    candidates = (parse(name) for name in listing if ".safeio-" in name)
+    siblings = [s for s in candidates if s is not None and s.kind != "v"]
+    if target_name is not None:
+        siblings = [s for s in siblings if s.belongs_to(target_name)]
+    if kinds is not None:
+        siblings = [s for s in siblings if s.kind in kinds]
+    return sorted(siblings, key=lambda s: _ORDER.get(s.kind, 2))
 
 
 FOREIGN = "owned by uid"  # how ``staleness`` begins the reason for another user's leftover

@@ -66,24 +66,17 @@ class LocalPromotion(Promotion):
     def __init__(self, location: Location, options: SaveOptions, *, recover: Recovery, **save: Any) -> None:
         super().__init__(location, options, **save)  # rank, call_id, on_phase
         self._recover = recover
+        # The target's path, its parent and its name, asked for at every step: read once (a Location is
+        # immutable).
+        self.target = location.path
+        self.parent = location.parent
+        self.name = location.name
         self.parent_fd = -1
         self.stage_fd = -1
         self.stage_name = ""
         self._stage_id: tuple[int, int] | None = None
         self._stage_mode = 0o777  # what mkdir gave the stage (the umask applied): see settle_stage
         self.contents = StageContents()  # what the finished stage holds (set by _prepare)
-
-    @property
-    def target(self) -> str:
-        return self.location.path
-
-    @property
-    def parent(self) -> str:
-        return self.location.parent
-
-    @property
-    def name(self) -> str:
-        return self.location.name
 
     # -- the target --------------------------------------------------------------------------------
 

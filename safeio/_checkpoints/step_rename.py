@@ -31,7 +31,9 @@ from safeio._errors import PromotionError, SafeIOError, TargetExistsError
 from safeio._options import exchange_disabled
 from safeio._promotion.aside import RenameAside
 from safeio._promotion.base import Promoted
+from safeio._promotion.behaviour import Behaviour
 from safeio._promotion.exchange import ExchangeRename
+from safeio._promotion.local import LocalPromotion
 from safeio._storage import claims, manifest
 from safeio._storage.dirfd import fsync_files, held_directory, lstat_at
 from safeio._storage.fsops import carry_missing
@@ -43,7 +45,7 @@ from safeio._who import who
 logger = logging.getLogger("safeio")
 
 
-class StepRename(ExchangeRename, StepPromotion):
+class StepRename(LocalPromotion, StepPromotion):
     """One step's commit: the stage renamed to the step's name. What stands there already — this user's
     commit of the same step (a rollback, a re-run into the same root), or a directory the caller's
     ``ExistingDirectory`` lets the commit replace — is swapped out at the commit, as a directory save
@@ -63,7 +65,7 @@ class StepRename(ExchangeRename, StepPromotion):
     ) -> None:
         # No recovery of the step's own siblings under the lock: the only ones a step has are stages,
         # and the root's dead ones were recovered when this process opened its first stage there.
-        super().__init__(location, recover=_nothing_to_recover, root=root, **save)
+        super().__init__(location, recover=_nothing_to_recover, behaviour=StepReplace(), root=root, **save)
         self._adopt = adopt
         self._renamed = False
         self._fsyncs: SharedFsyncs | None = None
@@ -167,15 +169,6 @@ class StepRename(ExchangeRename, StepPromotion):
         super()._put_in_place(stage, entries)
         self._renamed = True  # the commit point
 
-    def _swap(self) -> None:
-        # NFS and FUSE refuse RENAME_EXCHANGE (EINVAL): asking would cost a round trip, and its fallback a
-        # WARNING on the first rollback (or just-in-time checkpoint) of every job. A step replaced there is
-        # missing for an instant, never torn: latest() meanwhile names the previous commit.
-        if exchange_disabled() or not self._noreplace_flag():
-            RenameAside._swap(self)
-        else:
-            super()._swap()
-
     def remove_old_version(self, name: str) -> None:
         """The version the commit replaced (at ``name``: the stage's after an exchange, the aside one
         otherwise) is renamed aside as a retired step is, and deleted with them after the lock: a step's
@@ -192,6 +185,18 @@ class StepRename(ExchangeRename, StepPromotion):
             )
             return
         self._replaced.append(aside)
+
+
+class StepReplace(Behaviour):
+    """A committed step saved again (a rollback, a re-run into the root): exchanged with the new version,
+    or renamed aside where the filesystem refuses exchange."""
+
+    def commit(self, p: LocalPromotion, stage: str, entries: dict[str, dict[str, Any]]) -> None:
+        # NFS and FUSE refuse RENAME_EXCHANGE (EINVAL): asking would cost a round trip, and its fallback a
+        # WARNING on the first rollback (or just-in-time checkpoint) of every job. A step replaced there is
+        # missing for an instant, never torn: latest() meanwhile names the previous commit.
+        way = RenameAside() if exchange_disabled() or not p.noreplace_flag() else ExchangeRename()
+        way.commit(p, stage, entries)
 
 
 def _nothing_to_recover(parent: str, parent_fd: int, target_name: str, durable: bool, own_stage: str) -> None:

@@ -41,6 +41,7 @@ from safeio._promotion import capabilities
 from safeio._promotion.aside import RenameAside
 from safeio._promotion.atomic_file import AtomicFile, FilePromotion, UploadedFile
 from safeio._promotion.base import FilesCheck, PhaseHook, Promotion
+from safeio._promotion.behaviour import Behaviour
 from safeio._promotion.commit_marker import CommitMarker
 from safeio._promotion.exchange import ExchangeRename
 from safeio._promotion.leftovers import recover_target
@@ -123,18 +124,18 @@ class PosixBackend(Backend):
         on_phase: PhaseHook | None = None,
         check_files: FilesCheck | None = None,
     ) -> Promotion:
-        behaviour = self.directory_behaviour(options.mode)
-        return behaviour(
+        return LocalPromotion(
             self.location,
             options,
             rank=rank,
             call_id=call_id,
             recover=recover_target,
+            behaviour=self.directory_behaviour(options.mode)(),
             on_phase=on_phase,
             check_files=check_files,
         )
 
-    def directory_behaviour(self, mode: str) -> type[LocalPromotion]:
+    def directory_behaviour(self, mode: str) -> type[Behaviour]:
         if mode == "versioned" or is_version_link(self.location.path):
             return Versioned
         if mode == "merge":

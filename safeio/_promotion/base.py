@@ -13,8 +13,11 @@ owning ``acquire``); each behaviour fills in four hooks for its storage:
                                           upload, a step's commit), and making it durable
     discard(stage)                     after a failure: the target is untouched
 
-``finish`` returns what peers need to recognise the promoted version (``Promoted``). A behaviour is
-picked by the target's back end (``safeio._promotion.backends``), never by an ``if`` in this flow.
+``finish`` returns what peers need to recognise the promoted version (``Promoted``). On POSIX one
+class, ``LocalPromotion``, fills them in, and the storage behaviour (exchange, rename aside, merge,
+versioned) is an object it is handed (``local.Behaviour``: ``commit`` and ``recover``); on object stores
+``CommitMarker``. Both are picked by the target's back end (``safeio._promotion.backends``), never by an
+``if`` in this flow.
 """
 
 from __future__ import annotations

@@ -30,6 +30,7 @@ import os
 import stat
 import time
 from collections.abc import Iterable
+from dataclasses import dataclass
 
 from safeio._errors import PromotionError, SafeIOError
 from safeio._promotion.aside import RenameAside
@@ -142,21 +143,32 @@ def recover_directory(
     with ``keep_going`` becomes a ``"failed"`` action and the others are still recovered: a writer must
     not promote over a target it could not put right, while ``gc`` reports and goes on.
     """
-    if parent_fd is None:
-        try:
-            with held_directory(parent, follow=True) as fd:
-                return recover_directory(
-                    parent,
-                    parent_fd=fd,
-                    target_name=target_name,
-                    older_than=older_than,
-                    dry_run=dry_run,
-                    durable=durable,
-                    keep_going=keep_going,
-                    kinds=kinds,
-                )
-        except FileNotFoundError:
-            return []
+    options = _Recovering(target_name, older_than, dry_run, durable, keep_going, kinds)
+    if parent_fd is not None:
+        return _recover_in(parent, parent_fd, options)
+    try:
+        with held_directory(parent, follow=True) as fd:
+            return _recover_in(parent, fd, options)
+    except FileNotFoundError:
+        return []
+
+
+@dataclass(frozen=True)
+class _Recovering:
+    """What ``recover_directory`` was asked (see there)."""
+
+    target_name: str | None
+    older_than: float | None
+    dry_run: bool
+    durable: bool
+    keep_going: bool
+    kinds: frozenset[str] | None
+
+
+def _recover_in(parent: str, parent_fd: int, options: _Recovering) -> list[Action]:
+    """``recover_directory`` with ``parent`` held open as ``parent_fd``."""
+    target_name, older_than, dry_run = options.target_name, options.older_than, options.dry_run
+    durable, keep_going, kinds = options.durable, options.keep_going, options.kinds
     now = time.time()
     listing = sorted(os.listdir(parent_fd))
     owners = TargetOwners(parent_fd, listing)

@@ -2,18 +2,16 @@
 crash in the middle of it is put right.
 
 ``LocalPromotion`` (``local``) is one class for every POSIX directory save: stage, settle and describe,
-lock, then ``behaviour.put_in_place`` — a rename when the target is missing, else the behaviour's
-``commit`` — then sync. The behaviour is an object the back end picks (``ExchangeRename``, ``RenameAside``,
-``Merge``, ``Versioned``; a checkpoint step's ``StepReplace``) and hands in: it never subclasses the flow.
-Its ``recover`` (a static method) is what ``safeio._promotion.leftovers`` calls for what it left.
+lock, then a rename when the target is missing, else the behaviour's ``commit``, then sync. The
+behaviour is an object the back end picks (``ExchangeRename``, ``RenameAside``, ``Merge``,
+``Versioned``; a checkpoint step's ``StepReplace``) and hands in: it never subclasses the flow. Its
+``recover`` (a static method) is what ``safeio._promotion.leftovers`` calls for what it left.
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from typing import TYPE_CHECKING, Any, ClassVar
-
-from safeio._storage.dirfd import lstat_at
 
 if TYPE_CHECKING:
     from safeio._promotion.local import LocalPromotion
@@ -30,16 +28,10 @@ class Behaviour(ABC):
     # Behaviours that remove the old version refuse a target holding the process's own ground.
     guards_own_ground: ClassVar[bool] = False
 
-    def put_in_place(self, p: LocalPromotion, stage: str, entries: dict[str, dict[str, Any]]) -> None:
-        """Make the stage the target: renamed there if the target is missing, else ``commit``."""
-        if lstat_at(p.parent_fd, p.name) is None and p.rename_into_place(entries):
-            return
-        p.check_target()  # a first save of a rival job may have taken the name meanwhile
-        self.commit(p, stage, entries)
-
     @abstractmethod
     def commit(self, p: LocalPromotion, stage: str, entries: dict[str, dict[str, Any]]) -> None:
-        """Promote the stage of ``p`` over a target that exists (a directory safeio may replace)."""
+        """Promote the stage of ``p`` over a target that exists (a directory safeio may replace); one
+        that does not ``renames_fresh_target`` is called for a missing target too."""
 
     def keeps_failed_stage(self, p: LocalPromotion, stage: str) -> bool:
         """After a failure: whether the stage must stay for recovery to finish (a merge part-way)."""

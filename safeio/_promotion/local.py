@@ -1,17 +1,14 @@
 """The directory save on a POSIX filesystem (local disk, NFS, Lustre, FUSE): one flow, one class.
 
-The stage is a hidden sibling of the target, on the same filesystem, so that promotion is a
-``rename(2)``: a directory entry replaced atomically, never a file truncated in place. The lock beside the
-target keeps rival writer *jobs* from promoting at the same time; under it, leftovers of dead writers of
-the same target are put right before this save promotes. A target that does not exist yet is simply
-renamed into place; what happens to an existing one is the behaviour's: a small object (``Behaviour``,
-exchange, rename aside, merge, versioned) chosen by the back end and handed in, whose ``commit`` promotes
-the stage over the target and whose ``recover`` puts right what a writer killed in it left.
+The stage is a hidden sibling of the target on its filesystem, so that promotion is a ``rename(2)``: an
+entry replaced atomically, never a file truncated in place. The lock beside the target keeps rival writer
+*jobs* apart; under it, dead writers' leftovers of the target are put right before this save promotes. A
+missing target is renamed into place; an existing one is replaced by the behaviour's ``commit``
+(``safeio._promotion.behaviour``: exchange, rename aside, merge, versioned, picked by the back end).
 
-The parent is usually a share other users can write, so it is held open from the stage's creation and
-every step is relative to it (``safeio._storage.dirfd``): names, never paths through links. The stage is
-held open too, and checked to still be the directory this process made before each phase: a stage swapped
-for a symlink while the body ran is refused, never chmodded, synced, read or promoted.
+The parent (often a share others can write) is held open from the stage's creation; every step is
+relative to it (``safeio._storage.dirfd``), never a path through links. The stage, held open too, is
+checked to be the directory this process made before each phase: one swapped for a link is refused.
 """
 
 from __future__ import annotations
@@ -76,8 +73,7 @@ class LocalPromotion(Promotion):
         super().__init__(location, options, **save)  # rank, call_id, on_phase
         self._recover = recover
         self.behaviour = behaviour
-        # The target's path, its parent and its name, asked for at every step: read once (a Location is
-        # immutable).
+        # Asked for at every step: read once (a Location is immutable).
         self.target = location.path
         self.parent = location.parent
         self.name = location.name
@@ -350,7 +346,11 @@ class LocalPromotion(Promotion):
         self._sync_parent()
 
     def _put_in_place(self, stage: str, entries: dict[str, dict[str, Any]]) -> None:
-        self.behaviour.put_in_place(self, stage, entries)
+        if self.behaviour.renames_fresh_target:
+            if lstat_at(self.parent_fd, self.name) is None and self.rename_into_place(entries):
+                return
+            self.check_target()  # a first save of a rival job may have taken the name meanwhile
+        self.behaviour.commit(self, stage, entries)
 
     def _current_version(self) -> list[int] | None:
         """``manifest.version_of`` the target's manifest now (through a version link), if it has one."""

@@ -37,7 +37,8 @@ class Versioned(Behaviour):
     renames_fresh_target = False  # even a first save publishes a version through a link
     guards_own_ground = True
 
-    def put_in_place(self, p: LocalPromotion, stage: str, entries: dict[str, dict[str, Any]]) -> None:
+    def commit(self, p: LocalPromotion, stage: str, entries: dict[str, dict[str, Any]]) -> None:
+        """Publish the stage as a new version, whether the target exists or not."""
         pfd, name = p.parent_fd, p.name
         merge = p.options.mode == "merge"
         previous = self._open_current_version(p) if merge else None
@@ -66,9 +67,6 @@ class Versioned(Behaviour):
             os.fsync(pfd)
         p.phase("cleanup")
         prune(p.parent, pfd, name, grace=p.options.version_grace)
-
-    def commit(self, p: LocalPromotion, stage: str, entries: dict[str, dict[str, Any]]) -> None:
-        self.put_in_place(p, stage, entries)  # a present and an absent target alike
 
     def _open_current_version(self, p: LocalPromotion) -> int | None:
         """The current version directory (or the plain directory a first versioned save replaces)."""

@@ -18,7 +18,7 @@ from typing import Any, ClassVar
 import fsspec
 from fsspec.implementations.local import LocalFileSystem
 
-from safeio._promotion.backends import ObjectStoreBackend
+from safeio._promotion.backends import ObjectStoreBackend, register_backend
 
 PROTOCOL = "markerdir"
 
@@ -57,6 +57,7 @@ class MarkerDirFileSystem(LocalFileSystem):
 fsspec.register_implementation(PROTOCOL, MarkerDirFileSystem, clobber=True)
 
 
+@register_backend
 class MarkerDirectoryBackend(ObjectStoreBackend):
     """Directories committed by a marker written last, never renamed: the object store's behaviours
     (``CommitMarker``, ``UploadedFile``, ``ObjectSteps``, ``ObjectStoreReader``) over a directory tree,

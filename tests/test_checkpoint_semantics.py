@@ -60,7 +60,7 @@ def _job(rank: int, world: int, root: str, actions: list[Action]) -> list[Any]:
 
 def _fail_retention_once() -> None:
     """The writer's next retention fails as a full or broken disk would make its rename fail."""
-    from safeio._promotion.step_directories import LocalSteps
+    from safeio._checkpoints.step_directories import LocalSteps
 
     real = LocalSteps._retire
 

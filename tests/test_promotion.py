@@ -401,7 +401,7 @@ def test_a_checkpoint_stage_another_thread_has_just_made_is_not_a_leftover(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The same for whole checkpoints: every save of a step first recovers the root's leftovers."""
-    from safeio._promotion.step_directories import StepRename
+    from safeio._checkpoints.step_directories import StepRename
 
     root = tmp_path / "ckpts"
 

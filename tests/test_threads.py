@@ -63,7 +63,7 @@ def test_a_retired_step_whose_deletion_hangs_does_not_hold_the_process(tmp_path:
         f"""
         import time
         import safeio
-        from safeio._promotion.step_directories import LocalSteps
+        from safeio._checkpoints.step_directories import LocalSteps
 
         LocalSteps._delete = lambda self, aside: time.sleep(600)  # an rmdir on a server that died
         ckpts = safeio.Checkpoints({str(tmp_path / "ckpts")!r}, keep=1, timeout=1)

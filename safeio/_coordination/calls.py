@@ -238,3 +238,12 @@ class Progress:
 
 def _due_in(progress: Progress | None) -> float:
     return progress.cadence.due_in() if progress is not None else math.inf
+
+
+_TEXT_CAP = 2000  # characters of a rank's error message kept (a value is input: it may be huge)
+
+
+def text(value: object) -> str:
+    """A rank's message heard through the store, bounded for our own messages."""
+    message = value if isinstance(value, str) else repr(value)
+    return message if len(message) <= _TEXT_CAP else message[:_TEXT_CAP] + "..."

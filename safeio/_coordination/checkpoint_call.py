@@ -32,16 +32,16 @@ from safeio._coordination.calls import (
     digest,
     next_number,
     parse_value,
+    text,
 )
 from safeio._coordination.checkpoint_status import RankStatus, Status, advice, read_status
+from safeio._coordination.diverged import diverged_record, entrant, mismatch_error, waited_on_keys
 from safeio._coordination.group import Group
 from safeio._errors import CheckpointError, CollectiveMismatch, PeerTimeout
 from safeio._stalls import Cadence, seconds
 from safeio._who import who
 
 logger = logging.getLogger("safeio")
-
-_TEXT_CAP = 2000  # characters of a rank's error message kept (a value is input: it may be huge)
 
 
 class DecidedFirst(Exception):
@@ -59,12 +59,6 @@ class LeftTheCall(Exception):
         super().__init__(rank, where)
         self.rank = rank
         self.where = where
-
-
-def text(value: object) -> str:
-    """A rank's message heard through the store, bounded for our own messages."""
-    message = value if isinstance(value, str) else repr(value)
-    return message if len(message) <= _TEXT_CAP else message[:_TEXT_CAP] + "..."
 
 
 class CheckpointCall:
@@ -167,7 +161,7 @@ class CheckpointCall:
             raise self._diverged({rank: self.what}, f"the record of this call is malformed ({exc})") from None
         if isinstance(first, dict) and first.get("what") == self.what:
             return
-        theirs = _entrant(first)
+        theirs = entrant(first)
         if theirs is None:
             raise self._diverged({rank: self.what}, "the record of this call is malformed")
         raise self._diverged({rank: self.what, theirs[0]: theirs[1]}, "")
@@ -175,48 +169,11 @@ class CheckpointCall:
     def _diverged(self, calls: dict[int, str], problem: str) -> CollectiveMismatch:
         """This rank found that the ranks' calls differ: every key a rank of this call may be waiting
         for is set to say so (they wake at once), and the error to raise here."""
-        record = {
-            "call": self.number,
-            "calls": {str(r): w for r, w in calls.items()},
-            "found_by": self.group.rank,
-            "problem": problem,
-        }
-        names = ["announce", "outcome", "fsync"]
-        for r in range(self.group.world_size):
-            if r != self.group.writer:
-                names += [f"rank/{r}", f"synced/{r}"]
+        record = diverged_record(calls, problem, number=self.number, found_by=self.group.rank)
         value = json.dumps({"diverged": record})
-        for name in names:
+        for name in waited_on_keys(self.group.world_size, self.group.writer):
             self._call.set(name, value)
-        return self._mismatch(record)
-
-    def _mismatch(self, record: object) -> CollectiveMismatch:
-        """The error every rank of a diverged call raises (``record`` as heard: input)."""
-        rank = self.group.rank
-        record = record if isinstance(record, dict) else {}
-        calls: dict[int, str] = {}
-        raw_calls = record.get("calls")
-        if isinstance(raw_calls, dict):
-            for r, what in list(raw_calls.items())[:8]:
-                if isinstance(r, str) and r.isdigit() and isinstance(what, str):
-                    calls[int(r)] = text(what)
-        found_by = record.get("found_by")
-        problem = record.get("problem")
-        parts = [f"rank {r} is in {w}" for r, w in sorted(calls.items())]
-        detail = " while ".join(parts) if len(parts) > 1 else (parts[0] if parts else "")
-        if isinstance(problem, str) and problem:
-            detail = f"{detail} ({text(problem)})" if detail else text(problem)
-        found = f"; found by rank {found_by}" if isinstance(found_by, int) and found_by != rank else ""
-        return CollectiveMismatch(
-            f"rank {rank}: the ranks' collective calls on {self.root} differ at call {self.number}: "
-            f"{detail or 'what each rank makes there is unknown'}{found}. save(), latest(), at() and "
-            "steps() are collective: every rank of the group makes them, in the same order; one rank "
-            "skipped a call or made one more (a reading of one process alone takes "
-            "group=safeio.Group(), as safeio.integrations.transformers.get_last_checkpoint does)",
-            self.root,
-            call=self.number,
-            calls=calls,
-        )
+        return mismatch_error(record, rank=self.group.rank, root=self.root, number=self.number)
 
     # -- waiting --------------------------------------------------------------------------------------
 
@@ -225,7 +182,7 @@ class CheckpointCall:
         that the ranks' calls differ."""
         value = parse_value(raw, self._call.key(name))
         if isinstance(value, dict) and "diverged" in value:
-            raise self._mismatch(value["diverged"])
+            raise mismatch_error(value["diverged"], rank=self.group.rank, root=self.root, number=self.number)
         return value
 
     def _wait(
@@ -238,26 +195,13 @@ class CheckpointCall:
         with ``decided_first``, ``DecidedFirst`` when the writer decided the outcome meanwhile (it then
         never sets ``name``: it failed before, or needs no answer)."""
         cadence = Cadence(self.warn_after)
-        rank = self.group.rank
         told: list[float] = []
 
         def tell(elapsed: float) -> None:
             if not told:
                 self.status.publish()  # others see that this rank waits, and for whom
             told.append(elapsed)
-            status = read_status(self.group, self.root, from_rank)
-            phase = status.phase if status is not None and status.call == self.number else ""
-            logger.warning(
-                "%s: still waiting after %s s for %s (%s of %s): %s. %s",
-                who(rank),
-                seconds(elapsed),
-                waiting_for,
-                self.what,
-                self.root,
-                self._describe(status, from_rank),
-                advice(phase),
-                extra={"safeio_waited_for": from_rank, "safeio_phase": phase, "safeio_elapsed": elapsed},
-            )
+            self._still_waiting(elapsed, waiting_for, from_rank)
 
         def check() -> None:
             if decided_first:
@@ -269,24 +213,41 @@ class CheckpointCall:
                 raise LeftTheCall(from_rank, status.describe(self.number))
 
         def expired() -> PeerTimeout:
-            status = read_status(self.group, self.root, from_rank)
-            elapsed = cadence.elapsed()
-            phase = status.phase if status is not None and status.call == self.number else None
-            return PeerTimeout(
-                f"rank {rank}: waited {elapsed:.0f} s, the bound of this wait, for {waiting_for} "
-                f"({self.what} of {self.root}): {self._describe(status, from_rank)}. "
-                f"{advice(phase or '')}".rstrip(),
-                self.root,
-                waited_for=from_rank,
-                phase=phase,
-                step=self.step,
-                elapsed=elapsed,
-            )
+            return self._waited_out(cadence.elapsed(), waiting_for, from_rank)
 
         with self.status.waiting_on(from_rank):
             # StoreGone: the store's host (rank 0) has left
             raw = self._call.wait(name, deadline, expired=expired, progress=Progress(cadence, tell, check))
         return self._parse(raw, name)
+
+    def _still_waiting(self, elapsed: float, waiting_for: str, from_rank: int) -> None:
+        status = read_status(self.group, self.root, from_rank)
+        phase = status.phase if status is not None and status.call == self.number else ""
+        logger.warning(
+            "%s: still waiting after %s s for %s (%s of %s): %s. %s",
+            who(self.group.rank),
+            seconds(elapsed),
+            waiting_for,
+            self.what,
+            self.root,
+            self._describe(status, from_rank),
+            advice(phase),
+            extra={"safeio_waited_for": from_rank, "safeio_phase": phase, "safeio_elapsed": elapsed},
+        )
+
+    def _waited_out(self, elapsed: float, waiting_for: str, from_rank: int) -> PeerTimeout:
+        status = read_status(self.group, self.root, from_rank)
+        phase = status.phase if status is not None and status.call == self.number else None
+        return PeerTimeout(
+            f"rank {self.group.rank}: waited {elapsed:.0f} s, the bound of this wait, for {waiting_for} "
+            f"({self.what} of {self.root}): {self._describe(status, from_rank)}. "
+            f"{advice(phase or '')}".rstrip(),
+            self.root,
+            waited_for=from_rank,
+            phase=phase,
+            step=self.step,
+            elapsed=elapsed,
+        )
 
     def whereabouts(self, rank: int) -> str:
         """What rank ``rank`` last reported on this root, for a message (one get)."""
@@ -474,16 +435,6 @@ class CheckpointCall:
 
 def _prefix(root: str, number: int) -> str:
     return f"safeio/ckpt/{digest(root, 16)}/{number}"
-
-
-def _entrant(record: object) -> tuple[int, str] | None:
-    """(rank, what) of a call's record (input), or None if it is not one."""
-    if not isinstance(record, dict):
-        return None
-    rank, what = record.get("rank"), record.get("what")
-    if isinstance(rank, bool) or not isinstance(rank, int) or not isinstance(what, str):
-        return None
-    return rank, text(what)
 
 
 def _result_keys(outcome: Any) -> list[str]:

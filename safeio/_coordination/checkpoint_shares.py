@@ -14,9 +14,9 @@ import time
 from dataclasses import asdict
 from typing import Any
 
-from safeio._coordination.calls import VALUE_CAP, MalformedValue, digest
-from safeio._coordination.channel import Outcome, decode_value, encode_value
-from safeio._coordination.checkpoint_call import CheckpointCall, DecidedFirst, LeftTheCall, text
+from safeio._coordination.calls import VALUE_CAP, MalformedValue, digest, text
+from safeio._coordination.checkpoint_call import CheckpointCall, DecidedFirst, LeftTheCall
+from safeio._coordination.save_outcome import Outcome, decode_value, encode_value
 from safeio._errors import CheckpointError, PeerTimeout
 
 # How long the writer waits for the other ranks' fsyncs beyond four times its own share's (FsyncShares).
@@ -84,7 +84,7 @@ class NestedResults:
 
 
 class FsyncShares:
-    """The ``safeio._promotion.steps.SharedFsyncs`` of one durable commit: the writer hands every rank a
+    """The ``safeio._checkpoints.steps.SharedFsyncs`` of one durable commit: the writer hands every rank a
     share of the stage's files (``fsync``), each rank syncs its share and answers (``synced/<rank>``: the
     files it could not), all at once; the writer syncs its own share meanwhile, then what is left.
 

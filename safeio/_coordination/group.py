@@ -12,12 +12,10 @@ import hashlib
 import os
 import socket
 import sys
-import time
 from datetime import timedelta
 from typing import Any, Protocol, runtime_checkable
 
-from safeio._boundary import store_timed_out
-from safeio._errors import InvalidOptionError, InvalidTypeError, PeerTimeout
+from safeio._errors import InvalidOptionError, InvalidTypeError
 
 
 @runtime_checkable
@@ -79,34 +77,9 @@ class Group:
             return self
         return Group(self.rank, self.world_size, store=clone(), writer=self.writer, name=self.name)
 
-    def barrier(self, timeout: float, *, tag: str = "barrier") -> None:
-        """A bounded barrier through the store (every rank must call it with the same ``tag`` sequence)."""
-        if self.world_size == 1:
-            return
-        if self.store is None:
-            raise InvalidOptionError(f"group {self!r} has no store: a barrier needs torch.distributed", None)
-        _barrier_calls[tag] = count = _barrier_calls.get(tag, 0) + 1
-        key = f"safeio/{self.name}/barrier/{tag}/{count}"
-        arrived = self.store.add(key, 1)
-        if arrived == self.world_size:
-            self.store.set(key + "/done", b"1")
-        deadline = time.monotonic() + timeout
-        try:
-            self.store.wait([key + "/done"], timedelta(seconds=max(deadline - time.monotonic(), 0.001)))
-        except Exception as exc:
-            why = f"timed out after {timeout:g} s" if store_timed_out(exc) else f"lost the store ({exc})"
-            raise PeerTimeout(
-                f"rank {self.rank}: barrier {tag!r} #{count} {why} "
-                f"({arrived} of {self.world_size} ranks had arrived when this rank did)",
-                None,
-            ) from exc
-
     def __repr__(self) -> str:
         store = type(self.store).__name__ if self.store is not None else "no store"
         return f"Group(rank={self.rank}, world_size={self.world_size}, writer={self.writer}, {store})"
-
-
-_barrier_calls: dict[str, int] = {}
 
 
 def _torch_distributed() -> Any:

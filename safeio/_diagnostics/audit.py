@@ -44,7 +44,7 @@ from safeio._who import current_rank, host, who
 
 logger = logging.getLogger("safeio")
 
-Action = Literal["warn", "raise", "record"]
+OnCollective = Literal["warn", "raise", "record"]
 ACTIONS: tuple[str, ...] = ("warn", "raise", "record")
 
 OPEN = "open"  # a non-truncating open: context for conflicts, not unsafe by itself
@@ -123,7 +123,7 @@ class Auditor:
     def __init__(
         self,
         root: str | os.PathLike[str],
-        action: Action = "warn",
+        action: OnCollective = "warn",
         record_dir: str | os.PathLike[str] | None = None,
     ) -> None:
         if action not in ACTIONS:
@@ -131,7 +131,7 @@ class Auditor:
         self.root = os.path.abspath(as_str_path(root, "root"))
         # Callers name files through symlinks or not; either spelling of the root must match.
         self._roots = tuple({self.root, os.path.realpath(self.root)})
-        self.action: Action = action
+        self.action: OnCollective = action
         self.record_dir = (
             os.path.abspath(as_str_path(record_dir, "record_dir")) if record_dir is not None else None
         )
@@ -192,7 +192,7 @@ class Auditor:
 
 def audit(
     root: str | os.PathLike[str],
-    action: Action = "warn",
+    action: OnCollective = "warn",
     record_dir: str | os.PathLike[str] | None = None,
 ) -> Auditor:
     """Audit Python-level writes under ``root`` for the duration of a ``with`` block.

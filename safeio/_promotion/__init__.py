@@ -1,11 +1,11 @@
-"""Promotion: turning a finished stage into the target, one class per storage behaviour, and the one back
-end per kind of location that picks them.
+"""Promotion: turning a finished stage into the target, one storage behaviour per way of replacing it,
+and the one back end per kind of location that picks them.
 
 ``backends`` makes everything that differs by where a target lives (the only place that asks);
-``base.Promotion`` owns the flow; ``local.LocalPromotion`` the POSIX steps every local behaviour shares;
-the behaviours — ``exchange``, ``aside``, ``merge``, ``versioned`` and ``commit_marker`` (object stores) —
-each hold their promotion and their crash recovery; ``atomic_file`` is the one-file counterpart;
-``steps``, ``step_directories`` and ``step_prefixes`` are a checkpoint root's steps, each commit a
-promotion through the same flow; ``leftovers`` finds what dead writers left and hands it to its
-behaviour; ``active`` lists the stages open in this process.
+``base.Promotion`` owns the flow; ``local.LocalPromotion`` the POSIX steps, handed the behaviour — an
+object with ``commit`` and ``recover`` from ``exchange``, ``aside``, ``merge`` or ``versioned`` — that
+replaces an existing target; ``commit_marker`` is the object stores' promotion, with its recovery;
+``atomic_file`` is the one-file counterpart (a checkpoint root's steps, whose commits are promotions
+through the same flow, live with ``Checkpoints`` in ``safeio._checkpoints``); ``leftovers`` finds what
+dead writers left and hands it to its behaviour; ``active`` lists the stages open in this process.
 """

@@ -13,6 +13,7 @@ import os
 import stat
 from typing import Any
 
+from safeio._promotion.behaviour import Behaviour
 from safeio._promotion.local import LocalPromotion
 from safeio._promotion.recovery_records import Action, Leftover
 from safeio._storage.claims import claimed
@@ -24,34 +25,32 @@ from safeio._who import who
 logger = logging.getLogger("safeio")
 
 
-class RenameAside(LocalPromotion):
-    def check_target(self) -> None:
-        super().check_target()
-        self.refuse_protected_directories()
+class RenameAside(Behaviour):
+    guards_own_ground = True
 
-    def _replace_existing(self, stage: str, entries: dict[str, dict[str, Any]]) -> None:
-        self.write_manifest(entries, None)
-        self.seal_stage()
-        self.before_rename()  # a step replaced (a rollback): the swap is its commit point
-        self._swap()
+    def commit(self, p: LocalPromotion, stage: str, entries: dict[str, dict[str, Any]]) -> None:
+        p.write_manifest(entries, None)
+        p.seal_stage()
+        p.before_rename()  # a step replaced (a rollback): the swap is its commit point
+        self.swap(p)
 
-    def _swap(self) -> None:
+    def swap(self, p: LocalPromotion) -> None:
         """Put the stage in the target's place; the old version is removed afterwards."""
-        fd, name = self.parent_fd, self.name
+        fd, name = p.parent_fd, p.name
         with claimed(sibling_name(name, "old")) as aside:
             os.rename(name, aside, src_dir_fd=fd, dst_dir_fd=fd)
             try:
-                os.rename(self.stage_name, name, src_dir_fd=fd, dst_dir_fd=fd)
-                if not self.promoted_is_stage(name):
-                    os.rename(name, self.stage_name, src_dir_fd=fd, dst_dir_fd=fd)  # theirs goes back
-                    raise self.swapped_stage_error()
+                os.rename(p.stage_name, name, src_dir_fd=fd, dst_dir_fd=fd)
+                if not p.promoted_is_stage(name):
+                    os.rename(name, p.stage_name, src_dir_fd=fd, dst_dir_fd=fd)  # theirs goes back
+                    raise p.swapped_stage_error()
             except BaseException:
                 os.rename(aside, name, src_dir_fd=fd, dst_dir_fd=fd)  # put the old version back first
                 raise
-            if self.options.durable:
+            if p.options.durable:
                 os.fsync(fd)
-                self.parent_changed = False  # synced here; removing the old version need not last
-            self.remove_old_version(aside)
+                p.parent_changed = False  # synced here; removing the old version need not last
+            p.remove_old_version(aside)
 
     @staticmethod
     def recover(leftover: Leftover, target_name: str | None, *, dry_run: bool, durable: bool) -> Action:

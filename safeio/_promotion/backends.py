@@ -2,8 +2,9 @@
 
 Like fsspec's one ``AbstractFileSystem`` per protocol, asked and never tested for its kind: the back end
 made when a target or root is resolved gives the directory promotion, the single-file promotion, the
-reader (versions, verification, committed steps, what a peer checks), the steps of a ``Checkpoints``
-root, and the few file operations the integrations need. This module (with ``safeio._storage.location``,
+reader (versions, verification, committed steps, what a peer checks), and the few file operations the
+integrations need. The steps of a ``Checkpoints`` root are registered for each back end in
+``safeio._checkpoints.storage``, the checkpoint layer above. This module (with ``safeio._storage.location``,
 which parses a path or URL) is the only place that branches on the kind of location;
 ``tests/test_layout.py`` pins it.
 
@@ -22,7 +23,8 @@ On POSIX, the behaviour by mode (orbax's mode-to-class map):
 | | ``SAFEIO_NO_EXCHANGE=1`` |
 
 A new kind of location is one subclass of ``Backend`` (its abstract methods say what it must make; a
-forgotten one fails when it is instantiated) naming its fsspec ``protocols``, plus its behaviour classes.
+forgotten one fails when it is instantiated) naming its fsspec ``protocols``, registered with
+``@register_backend``, plus its behaviour classes.
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ import contextlib
 import os
 import stat
 from abc import ABC, abstractmethod
-from typing import Any, ClassVar
+from typing import Any, ClassVar, TypeVar
 
 from safeio._errors import InvalidTargetError
 from safeio._options import SaveOptions, exchange_disabled
@@ -39,21 +41,19 @@ from safeio._promotion import capabilities
 from safeio._promotion.aside import RenameAside
 from safeio._promotion.atomic_file import AtomicFile, FilePromotion, UploadedFile
 from safeio._promotion.base import FilesCheck, PhaseHook, Promotion
+from safeio._promotion.behaviour import Behaviour
 from safeio._promotion.commit_marker import CommitMarker
 from safeio._promotion.exchange import ExchangeRename
 from safeio._promotion.leftovers import recover_target
 from safeio._promotion.local import LocalPromotion
 from safeio._promotion.merge import Merge
-from safeio._promotion.step_directories import ROOT_LOCK, LocalSteps
-from safeio._promotion.step_prefixes import ObjectSteps
-from safeio._promotion.steps import LATEST, SEQUENCE, StepNames, StepStorage
 from safeio._promotion.versioned import Versioned
 from safeio._storage.claims import claimed
 from safeio._storage.dirfd import held_directory, is_component, lstat_at
 from safeio._storage.fsops import remove_at
 from safeio._storage.location import Location, resolve
 from safeio._storage.locking import lock_path_for
-from safeio._storage.names import sibling_name
+from safeio._storage.names import LATEST, ROOT_LOCK, SEQUENCE, sibling_name
 from safeio._storage.readers import LocalReader, ObjectStoreReader, TargetReader, is_version_link
 
 
@@ -91,18 +91,6 @@ class Backend(ABC):
         """The writer's promotion of a single-file target."""
 
     @abstractmethod
-    def steps(
-        self,
-        names: StepNames,
-        options: SaveOptions,
-        *,
-        keep: int | None,
-        megatron_tracker: bool = False,
-        pointer: bool = True,
-    ) -> StepStorage:
-        """The steps of a ``Checkpoints`` root at this location."""
-
-    @abstractmethod
     def make_parent(self) -> None:
         """Make the target's parent directory where directories exist (a file save needs one)."""
 
@@ -121,6 +109,9 @@ class Backend(ABC):
         """Whether the target looks like a ``Checkpoints`` root (``safeio verify`` checks every step)."""
 
 
+_B = TypeVar("_B", bound=Backend)
+
+
 class PosixBackend(Backend):
     """A local POSIX path: local disk, tmpfs, NFS, Lustre, FUSE. Staged beside the target, renamed."""
 
@@ -133,18 +124,18 @@ class PosixBackend(Backend):
         on_phase: PhaseHook | None = None,
         check_files: FilesCheck | None = None,
     ) -> Promotion:
-        behaviour = self.directory_behaviour(options.mode)
-        return behaviour(
+        return LocalPromotion(
             self.location,
             options,
             rank=rank,
             call_id=call_id,
             recover=recover_target,
+            behaviour=self.directory_behaviour(options.mode)(),
             on_phase=on_phase,
             check_files=check_files,
         )
 
-    def directory_behaviour(self, mode: str) -> type[LocalPromotion]:
+    def directory_behaviour(self, mode: str) -> type[Behaviour]:
         if mode == "versioned" or is_version_link(self.location.path):
             return Versioned
         if mode == "merge":
@@ -162,19 +153,6 @@ class PosixBackend(Backend):
         self, *, exclusive: bool, durable: bool, on_phase: PhaseHook | None = None
     ) -> FilePromotion:
         return AtomicFile(self.location, exclusive=exclusive, durable=durable, on_phase=on_phase)
-
-    def steps(
-        self,
-        names: StepNames,
-        options: SaveOptions,
-        *,
-        keep: int | None,
-        megatron_tracker: bool = False,
-        pointer: bool = True,
-    ) -> StepStorage:
-        return LocalSteps(
-            self.location, names, options, keep=keep, megatron_tracker=megatron_tracker, pointer=pointer
-        )
 
     def make_parent(self) -> None:
         try:
@@ -245,19 +223,6 @@ class ObjectStoreBackend(Backend):
     ) -> FilePromotion:
         return UploadedFile(self.location, exclusive=exclusive, durable=durable, on_phase=on_phase)
 
-    def steps(
-        self,
-        names: StepNames,
-        options: SaveOptions,
-        *,
-        keep: int | None,
-        megatron_tracker: bool = False,
-        pointer: bool = True,
-    ) -> StepStorage:
-        return ObjectSteps(
-            self.location, names, options, keep=keep, megatron_tracker=megatron_tracker, pointer=pointer
-        )
-
     def make_parent(self) -> None:
         pass  # prefixes need no directory
 
@@ -274,6 +239,22 @@ class ObjectStoreBackend(Backend):
         return False  # ``safeio verify`` checks one prefix at a time on object stores
 
 
+# Back ends that name protocols, the latest registered first (a test's back end for a protocol wins over
+# the one it refines). Listed, not found through ``__subclasses__()``: what serves a protocol is a choice
+# a reader can see here, not a side effect of which modules happen to be imported.
+_REGISTERED: list[type[Backend]] = []
+
+
+def register_backend(kind: type[_B]) -> type[_B]:
+    """Serve ``kind.protocols`` by ``kind`` (a class decorator); ``ObjectStoreBackend`` serves the rest."""
+    if not kind.protocols:
+        raise ValueError(f"{kind.__name__} names no protocols to serve")
+    if kind in _REGISTERED:
+        _REGISTERED.remove(kind)
+    _REGISTERED.insert(0, kind)
+    return kind
+
+
 def backend_for(target: str | os.PathLike[str] | Location) -> Backend:
     """The back end of ``target`` (a path, ``pathlib.Path``, fsspec URL, or a resolved Location)."""
     location = target if isinstance(target, Location) else resolve(target)
@@ -281,18 +262,7 @@ def backend_for(target: str | os.PathLike[str] | Location) -> Backend:
         return PosixBackend(location)
     protocols = location.fs.protocol
     served = {protocols} if isinstance(protocols, str) else set(protocols)
-    for kind in _registered(Backend.__subclasses__()):
+    for kind in _REGISTERED:
         if served & set(kind.protocols):
             return kind(location)
     return ObjectStoreBackend(location)
-
-
-def _registered(subclasses: list[type[Backend]]) -> list[type[Backend]]:
-    """Every back end below ``subclasses`` that names protocols, most derived first (a test's subclass
-    of ``ObjectStoreBackend`` wins over it)."""
-    found: list[type[Backend]] = []
-    for sub in subclasses:
-        found.extend(_registered(sub.__subclasses__()))
-        if sub.protocols:
-            found.append(sub)
-    return found

@@ -13,8 +13,11 @@ owning ``acquire``); each behaviour fills in four hooks for its storage:
                                           upload, a step's commit), and making it durable
     discard(stage)                     after a failure: the target is untouched
 
-``finish`` returns what peers need to recognise the promoted version (``Promoted``). A behaviour is
-picked by the target's back end (``safeio._promotion.backends``), never by an ``if`` in this flow.
+``finish`` returns what peers need to recognise the promoted version (``Promoted``). On POSIX one
+class, ``LocalPromotion``, fills them in, and the storage behaviour (exchange, rename aside, merge,
+versioned) is an object it is handed (``local.Behaviour``: ``commit`` and ``recover``); on object stores
+``CommitMarker``. Both are picked by the target's back end (``safeio._promotion.backends``), never by an
+``if`` in this flow.
 """
 
 from __future__ import annotations
@@ -66,21 +69,21 @@ class Promotion(ABC):
         call_id: str,
         on_phase: PhaseHook | None = None,
         check_files: FilesCheck | None = None,
-        step: int | None = None,
+        marker: dict[str, Any] | None = None,
     ) -> None:
         self.location = location
         self.options = options
         self.rank = rank
         self.call_id = call_id
-        self.step = step  # a checkpoint's step, recorded in its marker
-        self.sequence: int | None = None  # a checkpoint's place in commit order, given before its commit
+        # Fields the caller records in the manifest besides the files (a checkpoint's step, and its
+        # place in commit order once given under the root's lock): data, which this flow only writes.
+        self.marker: dict[str, Any] = dict(marker or {})
         self._on_phase = on_phase
         self._check_files = check_files
         self._started = time.monotonic()  # peers' waits began about now (see lock_timeout)
         self._result: Any = None  # the body's result (JSON form), recorded in the manifest
         self.version: list[int] | None = None  # the promoted manifest's ``manifest.version_of``, if local
         self.replaced: list[int] | None = None  # the same of the version it replaced (None: none)
-        self.warnings: list[str] = []  # see Promoted.warnings
 
     # -- the flow ----------------------------------------------------------------------------------
 
@@ -102,7 +105,7 @@ class Promotion(ABC):
                     self.phase("promote")
                     self._promote(stage, entries)
         logger.debug("%s: promoted %s (mode %s)", who(self.rank), target, self.options.mode)
-        return Promoted(self.version, self.replaced, tuple(self.warnings))
+        return Promoted(self.version, self.replaced)
 
     @abstractmethod
     def discard(self, stage: str) -> None:
@@ -153,13 +156,10 @@ class Promotion(ABC):
     def manifest_record(
         self, entries: dict[str, dict[str, Any]], previous: dict[str, Any] | None
     ) -> dict[str, Any]:
-        """The manifest of this save; with ``previous`` (merge) the other objects' entries are kept; a
-        checkpoint's records its step."""
+        """The manifest of this save; with ``previous`` (merge) the other objects' entries are kept; the
+        ``marker`` fields (a checkpoint's step and sequence) are recorded in it."""
         record = manifest.build(
             entries, rank=self.rank, call=self.call_id, previous=previous, result=self._result
         )
-        if self.step is not None:
-            record["step"] = self.step
-        if self.sequence is not None:
-            record["sequence"] = self.sequence
+        record.update(self.marker)
         return record

@@ -20,9 +20,3 @@ def exchange_refused(device: int) -> bool:
 def record_exchange_refused(device: int) -> None:
     with _lock:
         _no_exchange.add(device)
-
-
-def forget() -> None:
-    """Forget every measurement (tests that need the first-refusal warning again)."""
-    with _lock:
-        _no_exchange.clear()

@@ -12,6 +12,7 @@ import os
 
 from safeio._promotion import capabilities
 from safeio._promotion.aside import RenameAside
+from safeio._promotion.local import LocalPromotion
 from safeio._storage.posix import EXCHANGE_UNSUPPORTED, RENAME_EXCHANGE, renameat2
 from safeio._who import who
 
@@ -19,14 +20,14 @@ logger = logging.getLogger("safeio")
 
 
 class ExchangeRename(RenameAside):
-    def _swap(self) -> None:
-        device = os.fstat(self.parent_fd).st_dev
+    def swap(self, p: LocalPromotion) -> None:
+        device = os.fstat(p.parent_fd).st_dev
         if capabilities.exchange_refused(device):
-            super()._swap()
+            super().swap(p)
             return
-        fd = self.parent_fd
+        fd = p.parent_fd
         try:
-            renameat2(self.stage_name, self.name, RENAME_EXCHANGE, src_dir_fd=fd, dst_dir_fd=fd)
+            renameat2(p.stage_name, p.name, RENAME_EXCHANGE, src_dir_fd=fd, dst_dir_fd=fd)
         except OSError as exc:
             if exc.errno not in EXCHANGE_UNSUPPORTED:
                 raise
@@ -35,14 +36,14 @@ class ExchangeRename(RenameAside):
                 "%s: the filesystem of %s refuses RENAME_EXCHANGE (%s): replacing by renaming the "
                 "old version aside; readers may see the name missing for an instant (mode='versioned' "
                 "avoids that)",
-                who(self.rank),
-                self.target,
+                who(p.rank),
+                p.target,
                 exc.strerror,
             )
-            super()._swap()
+            super().swap(p)
             return
-        if not self.promoted_is_stage(self.name):
+        if not p.promoted_is_stage(p.name):
             # Exchanged with something put in the stage's place: exchange back, the old version returns.
-            renameat2(self.stage_name, self.name, RENAME_EXCHANGE, src_dir_fd=fd, dst_dir_fd=fd)
-            raise self.swapped_stage_error()
-        self.remove_old_version(self.stage_name)  # the stage's name now holds the old version
+            renameat2(p.stage_name, p.name, RENAME_EXCHANGE, src_dir_fd=fd, dst_dir_fd=fd)
+            raise p.swapped_stage_error()
+        p.remove_old_version(p.stage_name)  # the stage's name now holds the old version

@@ -30,6 +30,7 @@ import os
 import stat
 import time
 from collections.abc import Iterable
+from dataclasses import dataclass
 
 from safeio._errors import PromotionError, SafeIOError
 from safeio._promotion.aside import RenameAside
@@ -142,33 +143,37 @@ def recover_directory(
     with ``keep_going`` becomes a ``"failed"`` action and the others are still recovered: a writer must
     not promote over a target it could not put right, while ``gc`` reports and goes on.
     """
-    if parent_fd is None:
-        try:
-            with held_directory(parent, follow=True) as fd:
-                return recover_directory(
-                    parent,
-                    parent_fd=fd,
-                    target_name=target_name,
-                    older_than=older_than,
-                    dry_run=dry_run,
-                    durable=durable,
-                    keep_going=keep_going,
-                    kinds=kinds,
-                )
-        except FileNotFoundError:
-            return []
+    options = _Recovering(target_name, older_than, dry_run, durable, keep_going, kinds)
+    if parent_fd is not None:
+        return _recover_in(parent, parent_fd, options)
+    try:
+        with held_directory(parent, follow=True) as fd:
+            return _recover_in(parent, fd, options)
+    except FileNotFoundError:
+        return []
+
+
+@dataclass(frozen=True)
+class _Recovering:
+    """What ``recover_directory`` was asked (see there)."""
+
+    target_name: str | None
+    older_than: float | None
+    dry_run: bool
+    durable: bool
+    keep_going: bool
+    kinds: frozenset[str] | None
+
+
+def _recover_in(parent: str, parent_fd: int, options: _Recovering) -> list[Action]:
+    """``recover_directory`` with ``parent`` held open as ``parent_fd``."""
+    target_name, older_than, dry_run = options.target_name, options.older_than, options.dry_run
+    durable, keep_going, kinds = options.durable, options.keep_going, options.kinds
     now = time.time()
     listing = sorted(os.listdir(parent_fd))
-    candidates = (parse(name) for name in listing if ".safeio-" in name)
-    siblings = [s for s in candidates if s is not None and s.kind != "v"]
-    if target_name is not None:
-        siblings = [s for s in siblings if s.belongs_to(target_name)]
-    if kinds is not None:
-        siblings = [s for s in siblings if s.kind in kinds]
-    siblings.sort(key=lambda s: _ORDER.get(s.kind, 2))
     owners = TargetOwners(parent_fd, listing)
     actions: list[Action] = []
-    for sibling in siblings:
+    for sibling in _siblings(listing, target_name, kinds):
         stale, reason = staleness(sibling, parent, parent_fd, older_than, now, owners.of(sibling))
         if not stale:
             if reason.startswith(FOREIGN):
@@ -189,6 +194,18 @@ def recover_directory(
         for versioned in versioned_targets(parent_fd, target_name, listing):
             actions.extend(prune(parent, parent_fd, versioned, dry_run=dry_run, now=now))
     return actions
+
+
+def _siblings(listing: list[str], target_name: str | None, kinds: frozenset[str] | None) -> list[Sibling]:
+    """The safeio siblings in ``listing`` that recovery judges (not version directories: pruned apart),
+    only ``target_name``'s and of ``kinds`` where given, in the order they are put right."""
+    candidates = (parse(name) for name in listing if ".safeio-" in name)
+    siblings = [s for s in candidates if s is not None and s.kind != "v"]
+    if target_name is not None:
+        siblings = [s for s in siblings if s.belongs_to(target_name)]
+    if kinds is not None:
+        siblings = [s for s in siblings if s.kind in kinds]
+    return sorted(siblings, key=lambda s: _ORDER.get(s.kind, 2))
 
 
 FOREIGN = "owned by uid"  # how ``staleness`` begins the reason for another user's leftover

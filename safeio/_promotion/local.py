@@ -1,15 +1,14 @@
-"""What every behaviour on a POSIX filesystem (local disk, NFS, Lustre, FUSE) shares.
+"""The directory save on a POSIX filesystem (local disk, NFS, Lustre, FUSE): one flow, one class.
 
-The stage is a hidden sibling of the target, on the same filesystem, so that promotion is a
-``rename(2)``: a directory entry replaced atomically, never a file truncated in place. The lock beside the
-target keeps rival writer *jobs* from promoting at the same time; under it, leftovers of dead writers of
-the same target are put right before this save promotes. A target that does not exist yet is simply
-renamed into place; what happens to an existing one is the behaviour's (``_replace_existing``).
+The stage is a hidden sibling of the target on its filesystem, so that promotion is a ``rename(2)``: an
+entry replaced atomically, never a file truncated in place. The lock beside the target keeps rival writer
+*jobs* apart; under it, dead writers' leftovers of the target are put right before this save promotes. A
+missing target is renamed into place; an existing one is replaced by the behaviour's ``commit``
+(``safeio._promotion.behaviour``: exchange, rename aside, merge, versioned, picked by the back end).
 
-The parent is usually a share other users can write, so it is held open from the stage's creation and
-every step is relative to it (``safeio._storage.dirfd``): names, never paths through links. The stage is
-held open too, and checked to still be the directory this process made before each phase: a stage swapped
-for a symlink while the body ran is refused, never chmodded, synced, read or promoted.
+The parent (often a share others can write) is held open from the stage's creation; every step is
+relative to it (``safeio._storage.dirfd``), never a path through links. The stage, held open too, is
+checked to be the directory this process made before each phase: one swapped for a link is refused.
 """
 
 from __future__ import annotations
@@ -19,7 +18,6 @@ import errno
 import logging
 import os
 import stat
-from abc import abstractmethod
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -27,6 +25,7 @@ from safeio._boundary import NOT_A_DIRECTORY, os_failure
 from safeio._errors import InvalidTargetError, PromotionError, TargetExistsError
 from safeio._options import SaveOptions
 from safeio._promotion.base import Promoted, Promotion
+from safeio._promotion.behaviour import Behaviour
 from safeio._storage import claims, manifest
 from safeio._storage.dirfd import fsync_files_below, held_directory, identity, lstat_at, open_directory
 from safeio._storage.fsops import remove_at
@@ -52,10 +51,9 @@ Recovery = Callable[[str, int, str, bool, str], None]
 
 
 class LocalPromotion(Promotion):
-    """Stage beside the target on its own filesystem and promote with rename(2)."""
+    """Stage beside the target on its own filesystem and promote with rename(2); the behaviour's
+    ``commit`` replaces an existing target."""
 
-    # A target that does not exist yet becomes the stage by one rename (every behaviour but Versioned).
-    renames_fresh_target = True
     # Whether a durable save records a checksum of every file (safeio._storage.digests); a
     # checkpoint's gigabytes of shards are described by their sizes.
     hashes_when_durable = True
@@ -63,27 +61,28 @@ class LocalPromotion(Promotion):
     # it; a merge into an existing target changes only the target's.
     parent_changed = True
 
-    def __init__(self, location: Location, options: SaveOptions, *, recover: Recovery, **save: Any) -> None:
+    def __init__(
+        self,
+        location: Location,
+        options: SaveOptions,
+        *,
+        recover: Recovery,
+        behaviour: Behaviour,
+        **save: Any,
+    ) -> None:
         super().__init__(location, options, **save)  # rank, call_id, on_phase
         self._recover = recover
+        self.behaviour = behaviour
+        # Asked for at every step: read once (a Location is immutable).
+        self.target = location.path
+        self.parent = location.parent
+        self.name = location.name
         self.parent_fd = -1
         self.stage_fd = -1
         self.stage_name = ""
         self._stage_id: tuple[int, int] | None = None
         self._stage_mode = 0o777  # what mkdir gave the stage (the umask applied): see settle_stage
         self.contents = StageContents()  # what the finished stage holds (set by _prepare)
-
-    @property
-    def target(self) -> str:
-        return self.location.path
-
-    @property
-    def parent(self) -> str:
-        return self.location.parent
-
-    @property
-    def name(self) -> str:
-        return self.location.name
 
     # -- the target --------------------------------------------------------------------------------
 
@@ -100,6 +99,11 @@ class LocalPromotion(Promotion):
             ) from exc
 
     def check_target(self) -> None:
+        self._check_existing_target()
+        if self.behaviour.guards_own_ground:
+            self.refuse_protected_directories()
+
+    def _check_existing_target(self) -> None:
         target = self.target
         st = self._target_stat()
         if st is None:
@@ -207,6 +211,9 @@ class LocalPromotion(Promotion):
                     os.close(fd)
 
     def discard(self, stage: str) -> None:
+        if self.behaviour.keeps_failed_stage(self, stage):
+            self.close()
+            return
         try:
             if self.parent_fd >= 0 and self.stage_name:
                 st = lstat_at(self.parent_fd, self.stage_name)
@@ -269,7 +276,7 @@ class LocalPromotion(Promotion):
         ENOTDIR). Either way this save then goes the locked way, as if it had found the target. No lock
         file is made, which on NFS is three of the save's round trips.
         """
-        if not self.renames_fresh_target:
+        if not self.behaviour.renames_fresh_target:
             return False
         if lstat_at(self.parent_fd, self.name) is not None:
             return False
@@ -277,20 +284,20 @@ class LocalPromotion(Promotion):
             return False  # leftovers are put right under the lock
         self.phase("promote")
         self.check_stage()
-        if not self._rename_into_place(entries):
+        if not self.rename_into_place(entries):
             return False
         self._sync_parent()
         logger.debug("%s: %s is new: promoted without the lock", who(self.rank), self.target)
         return True
 
-    def _rename_into_place(self, entries: dict[str, dict[str, Any]]) -> bool:
+    def rename_into_place(self, entries: dict[str, dict[str, Any]]) -> bool:
         """The stage becomes the target, which does not exist; False (nothing changed) if a rival's
         version took the name first, which first saves promote without the lock."""
         self.write_manifest(entries, None)
         self.seal_stage()
         self.before_rename()
         try:
-            rename_noreplace(self.stage_name, self.name, self.parent_fd, flag=self._noreplace_flag())
+            rename_noreplace(self.stage_name, self.name, self.parent_fd, flag=self.noreplace_flag())
         except OSError as exc:
             if exc.errno not in _TAKEN:
                 raise
@@ -308,7 +315,7 @@ class LocalPromotion(Promotion):
         """The last moment before the stage becomes the target (a checkpoint's commit point: see
         ``StepRename``); nothing by default."""
 
-    def _noreplace_flag(self) -> bool:
+    def noreplace_flag(self) -> bool:
         # NFS and FUSE refuse RENAME_NOREPLACE: asking would be one more round trip to the server.
         return not is_network_device(os.fstat(self.parent_fd).st_dev, self.parent)
 
@@ -339,10 +346,11 @@ class LocalPromotion(Promotion):
         self._sync_parent()
 
     def _put_in_place(self, stage: str, entries: dict[str, dict[str, Any]]) -> None:
-        if lstat_at(self.parent_fd, self.name) is None and self._rename_into_place(entries):
-            return
-        self.check_target()  # a first save of a rival job may have taken the name meanwhile
-        self._replace_existing(stage, entries)
+        if self.behaviour.renames_fresh_target:
+            if lstat_at(self.parent_fd, self.name) is None and self.rename_into_place(entries):
+                return
+            self.check_target()  # a first save of a rival job may have taken the name meanwhile
+        self.behaviour.commit(self, stage, entries)
 
     def _current_version(self) -> list[int] | None:
         """``manifest.version_of`` the target's manifest now (through a version link), if it has one."""
@@ -358,10 +366,6 @@ class LocalPromotion(Promotion):
         """Make the promotion itself durable."""
         if self.options.durable and self.parent_changed:
             os.fsync(self.parent_fd)
-
-    @abstractmethod
-    def _replace_existing(self, stage: str, entries: dict[str, dict[str, Any]]) -> None:
-        """Promote the stage over a target that exists (a directory safeio may replace)."""
 
     # -- shared by local behaviours ------------------------------------------------------------------
 

@@ -27,6 +27,7 @@ import stat
 from typing import Any
 
 from safeio._errors import InvalidTargetError
+from safeio._promotion.behaviour import Behaviour
 from safeio._promotion.local import LocalPromotion
 from safeio._promotion.recovery_records import Action, Leftover
 from safeio._storage import manifest
@@ -39,76 +40,74 @@ from safeio._who import who
 logger = logging.getLogger("safeio")
 
 
-class Merge(LocalPromotion):
-    _intent_written = False
+class Merge(Behaviour):
+    def __init__(self) -> None:
+        self._intent_written = False
 
-    def _replace_existing(self, stage: str, entries: dict[str, dict[str, Any]]) -> None:
-        with self.target_directory() as target_fd:
-            files = list(self.contents.content)
-            if self.options.manifest:
+    def commit(self, p: LocalPromotion, stage: str, entries: dict[str, dict[str, Any]]) -> None:
+        with p.target_directory() as target_fd:
+            files = list(p.contents.content)
+            if p.options.manifest:
                 files.append(manifest.MANIFEST_NAME)  # last: it describes the whole set
-            self._check_conflicts(target_fd, files)
-            intent = {"target_name": self.name, "files": files}
-            if self.options.manifest:
+            self._check_conflicts(p, target_fd, files)
+            intent = {"target_name": p.name, "files": files}
+            if p.options.manifest:
                 # One file and one fsync for both: the manifest is in the stage until the last move.
-                self.write_manifest(entries, target_fd, intent)
+                p.write_manifest(entries, target_fd, intent)
                 self._intent_written = True
             else:
-                self._write_intent(intent)
-            self.seal_stage()
-            self.parent_changed = (
-                False  # only the target's entries change (the stage's removal need not last)
-            )
-            roll_forward(self.stage_fd, target_fd, files, durable=self.options.durable)
-        self._remove_merged_stage(stage)
+                self._write_intent(p, intent)
+            p.seal_stage()
+            p.parent_changed = False  # only the target's entries change (the stage's removal need not last)
+            roll_forward(p.stage_fd, target_fd, files, durable=p.options.durable)
+        self._remove_merged_stage(p, stage)
 
-    def _remove_merged_stage(self, stage: str) -> None:
+    def _remove_merged_stage(self, p: LocalPromotion, stage: str) -> None:
         """What is left of a merged stage: its intent file (without a manifest), and directories emptied
         by the moves."""
         try:
-            if not self.options.manifest:
-                os.unlink(manifest.MERGE_INTENT_NAME, dir_fd=self.stage_fd)
-            os.rmdir(self.stage_name, dir_fd=self.parent_fd)
+            if not p.options.manifest:
+                os.unlink(manifest.MERGE_INTENT_NAME, dir_fd=p.stage_fd)
+            os.rmdir(p.stage_name, dir_fd=p.parent_fd)
         except OSError:  # subdirectories (or something a rival put there): the general removal
-            remove_at(self.parent_fd, self.stage_name, what="merged stage", shown=stage)
+            remove_at(p.parent_fd, p.stage_name, what="merged stage", shown=stage)
 
-    def _write_intent(self, intent: dict[str, Any]) -> None:
+    def _write_intent(self, p: LocalPromotion, intent: dict[str, Any]) -> None:
         flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
-        fd = os.open(manifest.MERGE_INTENT_NAME, flags, 0o666, dir_fd=self.stage_fd)
+        fd = os.open(manifest.MERGE_INTENT_NAME, flags, 0o666, dir_fd=p.stage_fd)
         try:
             os.write(fd, json.dumps(intent).encode())
-            if self.options.durable:
+            if p.options.durable:
                 os.fsync(fd)
         finally:
             os.close(fd)
         self._intent_written = True
 
-    def discard(self, stage: str) -> None:
+    def keeps_failed_stage(self, p: LocalPromotion, stage: str) -> bool:
         if self._intent_written:
             # Some files may already be in the target: removing the stage would leave it half merged
             # for good. Keep stage and intent for the next save or `safeio gc` to roll forward.
             logger.warning(
                 "%s: the merge into %s failed part-way; its stage %s is kept so that the next save of "
                 "the target or `safeio gc` completes it",
-                who(self.rank),
-                self.target,
+                who(p.rank),
+                p.target,
                 stage,
             )
             # Its files may be read back into the target by a later save: nobody else may read or change
             # them meanwhile (a shared directory).
             with contextlib.suppress(OSError):
-                os.fchmod(self.stage_fd, 0o700)
-            self.close()
-            return
-        super().discard(stage)
+                os.fchmod(p.stage_fd, 0o700)
+            return True
+        return False
 
-    def _check_conflicts(self, target_fd: int, files: list[str]) -> None:
+    def _check_conflicts(self, p: LocalPromotion, target_fd: int, files: list[str]) -> None:
         for rel in files:
             if "/" not in rel:  # a top-level file (most saves): one lstat, no descriptor to walk
                 st = lstat_at(target_fd, rel)
                 if st is not None and stat.S_ISDIR(st.st_mode):
                     raise InvalidTargetError(
-                        f"cannot merge {rel} into {self.target}: it is a directory there", self.target
+                        f"cannot merge {rel} into {p.target}: it is a directory there", p.target
                     )
                 continue
             parts = rel.split("/")
@@ -121,21 +120,21 @@ class Merge(LocalPromotion):
                     last = depth == len(parts) - 1
                     if stat.S_ISLNK(st.st_mode) and not last:
                         raise InvalidTargetError(
-                            f"cannot merge {rel} into {self.target}: {'/'.join(parts[: depth + 1])} is a "
+                            f"cannot merge {rel} into {p.target}: {'/'.join(parts[: depth + 1])} is a "
                             "symlink there, and safeio never writes through one",
-                            self.target,
+                            p.target,
                         )
                     if last:
                         if stat.S_ISDIR(st.st_mode):
                             raise InvalidTargetError(
-                                f"cannot merge {rel} into {self.target}: it is a directory there", self.target
+                                f"cannot merge {rel} into {p.target}: it is a directory there", p.target
                             )
                         break
                     if not stat.S_ISDIR(st.st_mode):
                         raise InvalidTargetError(
-                            f"cannot merge {rel} into {self.target}: {'/'.join(parts[: depth + 1])} is a "
+                            f"cannot merge {rel} into {p.target}: {'/'.join(parts[: depth + 1])} is a "
                             "file there",
-                            self.target,
+                            p.target,
                         )
                     child = open_directory(part, dir_fd=fd)
                     os.close(fd)

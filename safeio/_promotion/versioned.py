@@ -19,6 +19,7 @@ from typing import Any
 
 from safeio._errors import InvalidTargetError
 from safeio._options import version_grace
+from safeio._promotion.behaviour import Behaviour
 from safeio._promotion.local import LocalPromotion
 from safeio._promotion.recovery_records import Action, tree_size
 from safeio._storage import manifest
@@ -32,30 +33,28 @@ from safeio._storage.readers import version_pointee
 KEEP_VERSIONS = 2
 
 
-class Versioned(LocalPromotion):
+class Versioned(Behaviour):
     renames_fresh_target = False  # even a first save publishes a version through a link
+    guards_own_ground = True
 
-    def check_target(self) -> None:
-        super().check_target()
-        self.refuse_protected_directories()
-
-    def _put_in_place(self, stage: str, entries: dict[str, dict[str, Any]]) -> None:
-        pfd, name = self.parent_fd, self.name
-        merge = self.options.mode == "merge"
-        previous = self._open_current_version() if merge else None
+    def commit(self, p: LocalPromotion, stage: str, entries: dict[str, dict[str, Any]]) -> None:
+        """Publish the stage as a new version, whether the target exists or not."""
+        pfd, name = p.parent_fd, p.name
+        merge = p.options.mode == "merge"
+        previous = self._open_current_version(p) if merge else None
         try:
             if previous is not None:
-                entries = {**self._link_previous_files(previous), **entries}
-            self.write_manifest(entries, previous)
+                entries = {**self._link_previous_files(p, previous), **entries}
+            p.write_manifest(entries, previous)
         finally:
             if previous is not None:
                 os.close(previous)
-        self.seal_stage()
+        p.seal_stage()
         version_name = sibling_name(name, "v")
-        os.rename(self.stage_name, version_name, src_dir_fd=pfd, dst_dir_fd=pfd)
-        if not self.promoted_is_stage(version_name):  # never link the target to what someone swapped in
-            os.rename(version_name, self.stage_name, src_dir_fd=pfd, dst_dir_fd=pfd)
-            raise self.swapped_stage_error()
+        os.rename(p.stage_name, version_name, src_dir_fd=pfd, dst_dir_fd=pfd)
+        if not p.promoted_is_stage(version_name):  # never link the target to what someone swapped in
+            os.rename(version_name, p.stage_name, src_dir_fd=pfd, dst_dir_fd=pfd)
+            raise p.swapped_stage_error()
         st = lstat_at(pfd, name)
         if st is not None and stat.S_ISDIR(st.st_mode):
             # First versioned save over a plain directory: it becomes a version too (the name is missing
@@ -64,38 +63,33 @@ class Versioned(LocalPromotion):
         with claimed(sibling_name(name, "link")) as link:
             os.symlink(version_name, link, dir_fd=pfd)
             os.replace(link, name, src_dir_fd=pfd, dst_dir_fd=pfd)
-        if self.options.durable:
+        if p.options.durable:
             os.fsync(pfd)
-        self.phase("cleanup")
-        prune(self.parent, pfd, name, grace=self.options.version_grace)
+        p.phase("cleanup")
+        prune(p.parent, pfd, name, grace=p.options.version_grace)
 
-    def _replace_existing(self, stage: str, entries: dict[str, dict[str, Any]]) -> None:
-        self._put_in_place(stage, entries)  # a present and an absent target alike
-
-    def _open_current_version(self) -> int | None:
+    def _open_current_version(self, p: LocalPromotion) -> int | None:
         """The current version directory (or the plain directory a first versioned save replaces)."""
-        st = lstat_at(self.parent_fd, self.name)
+        st = lstat_at(p.parent_fd, p.name)
         if st is None:
             return None
-        current = self.name
+        current = p.name
         if stat.S_ISLNK(st.st_mode):
-            pointee = version_pointee(self.name, dir_fd=self.parent_fd)
+            pointee = version_pointee(p.name, dir_fd=p.parent_fd)
             if pointee is None:  # check_target refuses it too; the link changed since
-                raise InvalidTargetError(
-                    f"target {self.target} links somewhere safeio did not make", self.target
-                )
+                raise InvalidTargetError(f"target {p.target} links somewhere safeio did not make", p.target)
             current = pointee
         try:
-            return open_directory(current, dir_fd=self.parent_fd)
+            return open_directory(current, dir_fd=p.parent_fd)
         except OSError as exc:
             raise InvalidTargetError(
-                f"the version {current} that {self.target} links to is not a directory safeio made "
+                f"the version {current} that {p.target} links to is not a directory safeio made "
                 f"({exc.strerror or exc}); refusing to read from it",
-                self.target,
+                p.target,
             ) from exc
 
-    def _link_previous_files(self, previous_fd: int) -> dict[str, dict[str, Any]]:
-        staged = set(manifest.content_files(self.stage_fd))
+    def _link_previous_files(self, p: LocalPromotion, previous_fd: int) -> dict[str, dict[str, Any]]:
+        staged = set(manifest.content_files(p.stage_fd))
         old = load_manifest(previous_fd, manifest.MANIFEST_NAME)
         old_files = old["files"] if old is not None and not isinstance(old, Damaged) else {}
         kept: dict[str, dict[str, Any]] = {}
@@ -105,7 +99,7 @@ class Versioned(LocalPromotion):
                 continue
             if not (stat.S_ISREG(st.st_mode) or stat.S_ISLNK(st.st_mode)):
                 continue
-            dst = open_relative_directory(self.stage_fd, rel_dir, create=True)
+            dst = open_relative_directory(p.stage_fd, rel_dir, create=True)
             try:
                 os.link(name, name, src_dir_fd=fd, dst_dir_fd=dst, follow_symlinks=False)
             finally:

@@ -23,8 +23,9 @@ from types import TracebackType
 from typing import IO, Any, Literal, Protocol
 
 from safeio._boundary import attach_cleanup_error, body_failure
-from safeio._coordination.channel import Channel, Outcome, decode_value, encode_value
+from safeio._coordination.channel import Channel
 from safeio._coordination.group import Group, resolve_group
+from safeio._coordination.save_outcome import Outcome, decode_value, encode_value
 from safeio._diagnostics.watchdog import Watchdog
 from safeio._errors import UnsupportedSaveError
 from safeio._options import LockSetting, Mode, SaveOptions

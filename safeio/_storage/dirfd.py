@@ -257,12 +257,6 @@ def walk_files(dir_fd: int) -> Iterator[tuple[str, int, str, os.stat_result]]:
             yield listing.rel, listing.fd, name, st
 
 
-def walk_directories(dir_fd: int) -> Iterator[tuple[str, int]]:
-    """Every directory below ``dir_fd``, children before parents: (relative path, its fd)."""
-    for listing in walk(dir_fd, bottom_up=True, onerror=skip_unreadable):
-        yield listing.rel, listing.fd
-
-
 def remove_directory_at(dir_fd: int, name: str) -> None:
     """Remove the directory ``name`` in ``dir_fd`` and everything in it, following no link, at any depth
     (``shutil.rmtree`` recursed once per level)."""

@@ -170,3 +170,12 @@ def pid_alive(pid: int) -> bool:
     except (OSError, IndexError):
         return True
     return state not in (b"Z", b"X")
+
+
+# The files a ``safeio.Checkpoints`` root keeps beside its steps. Named here, below the checkpoint layer,
+# because the back end that says whether a directory is such a root (``Backend.holds_checkpoints``,
+# for ``safeio verify``) recognises them too.
+LATEST = "latest"  # DeepSpeed's pointer file: the name of the newest checkpoint directory
+MEGATRON_TRACKER = "latest_checkpointed_iteration.txt"  # Megatron's: the newest iteration number
+SEQUENCE = ".checkpoints.safeio.sequence"  # the last sequence number given to a commit in this root
+ROOT_LOCK = "checkpoints"  # one promotion lock per root: ``.checkpoints.safeio.lock``

@@ -1,4 +1,4 @@
-"""POSIX primitives Python lacks: ``renameat2``, the umask."""
+"""POSIX primitives Python lacks: ``renameat2`` (exchange, no-replace), and which filesystems refuse it."""
 
 from __future__ import annotations
 
@@ -6,7 +6,6 @@ import ctypes
 import ctypes.util
 import errno
 import os
-import threading
 from functools import lru_cache
 from typing import Any
 
@@ -61,21 +60,3 @@ def rename_noreplace(src: str, dst: str, dir_fd: int, *, flag: bool = True) -> N
                 raise
             _noreplace_refused.add(device)
     os.rename(src, dst, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
-
-
-_umask_lock = threading.Lock()
-
-
-def current_umask() -> int:
-    """The process umask, read without changing it where /proc allows (os.umask is a global write)."""
-    try:
-        with open("/proc/self/status", encoding="ascii") as f:
-            for line in f:
-                if line.startswith("Umask:"):
-                    return int(line.split()[1], 8)
-    except (OSError, ValueError):
-        pass
-    with _umask_lock:
-        mask = os.umask(0o022)
-        os.umask(mask)
-    return mask

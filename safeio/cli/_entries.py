@@ -15,12 +15,12 @@ import stat
 from typing import Any
 
 from safeio._checkpoints.pointer import read_pointer
+from safeio._checkpoints.steps import StepNames
 from safeio._errors import InvalidTargetError
 from safeio._promotion.backends import backend_for
-from safeio._promotion.steps import LATEST, StepNames
 from safeio._storage.dirfd import held_directory, walk_files
 from safeio._storage.manifest import MANIFEST_NAME
-from safeio._storage.names import Sibling, parse
+from safeio._storage.names import LATEST, Sibling, parse
 from safeio.cli._states import State, fix
 from safeio.integrations._accelerate_files import ranks_written
 from safeio.integrations.transformers import TRAINER_STATE, is_complete_by_trainer

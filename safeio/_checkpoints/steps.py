@@ -1,13 +1,14 @@
 """The steps of a ``safeio.Checkpoints`` root: their names, their pointer files, and what every kind of
-place holding them shares (``StepStorage``). One subclass per storage behaviour, made by the root's back
-end: ``LocalSteps`` (a stage directory and a rename, ``step_directories``) and ``ObjectSteps`` (in place
-under the step's prefix, committed by its marker, ``step_prefixes``). A commit is a promotion of the
-step's stage through ``Promotion.finish``, like any directory save; the checkpoint layer above says who
-commits and when.
+place holding them shares (``StepStorage``). One subclass per storage behaviour, registered for the
+root's back end (``storage``): ``LocalSteps`` (a stage directory and a rename, ``step_directories``) and
+``ObjectSteps`` (in place under the step's prefix, committed by its marker, ``step_prefixes``). A commit
+is a promotion of the step's stage through ``Promotion.finish``, like any directory save; the checkpoint
+layer above says who commits and when.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import re
@@ -15,22 +16,19 @@ import threading
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 from safeio._errors import InvalidOptionError
 from safeio._options import SaveOptions
 from safeio._promotion.base import PhaseHook, Promoted, Promotion
 from safeio._stalls import Cadence, seconds, thread_stack
 from safeio._storage.dirfd import is_component
+from safeio._storage.location import Location
 from safeio._storage.readers import TargetReader
 from safeio._threads import start_background
 from safeio._who import who
 
 logger = logging.getLogger("safeio")
-
-LATEST = "latest"  # DeepSpeed's pointer file: the name of the newest checkpoint directory
-MEGATRON_TRACKER = "latest_checkpointed_iteration.txt"  # Megatron's: the newest iteration number
-SEQUENCE = ".checkpoints.safeio.sequence"  # the last sequence number given to a commit in this root
 
 
 class StepNames:
@@ -75,22 +73,67 @@ class SharedFsyncs(Protocol):
         never answered, a file it could not open), which the writer syncs itself."""
 
 
+class RootCommit(ABC):
+    """What the commit of one step needs from its root, handed to the commit as one object when it is
+    made: the step and its directory's name, the commit-point check, the next place in commit order
+    (given under the root's lock, before the commit), and what follows the commit point (the pointer
+    files, retention). The commit calls these and nothing else of the root: it never reaches into the
+    root's step storage, which made this object for it."""
+
+    def __init__(self, step: int, name: str, protect: frozenset[str]) -> None:
+        self.step = step
+        self.name = name
+        self.protect = protect  # never retired after this commit
+        # Committed steps the framework's own retention chose, retired after this commit with keep's
+        # (``CheckpointStage.retire``).
+        self.retire_also: set[str] = set()
+        # Called right before the commit point (the rename, the marker); it raises to commit nothing (a
+        # rank gave up waiting: it was told the step is not committed).
+        self.commit_point: Callable[[], None] | None = None
+
+    def passing_commit_point(self) -> None:
+        if self.commit_point is not None:
+            self.commit_point()
+
+    @abstractmethod
+    def next_sequence(self) -> int:
+        """Before the commit (under the root's lock, where there is one): the next place in commit order,
+        recorded first where the root keeps the record."""
+
+    @abstractmethod
+    def after_commit(
+        self, sequence: int, phase: PhaseHook, replaced: Iterable[str] = (), root_fd: int | None = None
+    ) -> list[str]:
+        """Everything after the commit point, best effort: each failure is a warning saying how it is
+        repaired (the step is committed and every rank is told so). ``replaced``: old versions of the
+        step, already renamed aside, deleted with the retired steps; ``root_fd``: the root, held open by
+        a commit where directories exist."""
+
+    def may_replace(self, found: os.stat_result) -> bool:
+        """Whether the commit may replace what stands at the step's name (``found``): none by default."""
+        del found
+        return False
+
+    def committed(self, sequence: int) -> CommittedStep:
+        return CommittedStep(self.step, self.name, sequence)
+
+
 class StepPromotion(Promotion):
     """The commit of one step: ``open_stage`` on the writer before the body, ``finish_step`` once every
-    rank reported, ``discard`` when one failed. ``stage_name`` is what every rank writes under. The commit
-    point is the step appearing under its name (a rename; an object store's marker): a failure before it
-    commits nothing; after it (the ``latest`` pointer, retention) is a warning in ``Promoted.warnings``."""
+    rank reported, ``discard`` when one failed. ``stage_name`` is what every rank writes under; ``root``
+    is what the commit needs from its root (``RootCommit``). The commit point is the step appearing under
+    its name (a rename; an object store's marker): a failure before it commits nothing; after it (the
+    ``latest`` pointer, retention) is a warning in ``Promoted.warnings``."""
 
     stage_name: str
-    # Committed steps the framework's own retention chose, retired after this commit with keep's
-    # (``CheckpointStage.retire``).
-    retire_also: set[str]
     # Whether the commit syncs the stage's files (a durable commit on a POSIX filesystem), so that the
     # ranks can share the work out (``finish_step``'s ``fsyncs``).
     shares_fsyncs = False
-    # Called right before the commit point (the rename, the marker); it raises to commit nothing (a rank
-    # gave up waiting: it was told the step is not committed).
-    _commit_point: Callable[[], None] | None = None
+
+    def __init__(self, location: Location, options: SaveOptions, *, root: RootCommit, **save: Any) -> None:
+        super().__init__(location, options, marker={"step": root.step}, **save)
+        self.root = root
+        self.warnings: list[str] = []  # what failed after the commit point (see Promoted.warnings)
 
     def finish_step(
         self,
@@ -101,12 +144,9 @@ class StepPromotion(Promotion):
     ) -> Promoted:
         """Commit ``stage``; where the commit syncs files, ``fsyncs`` shares them out among the ranks;
         ``commit_point()`` is called right before the commit point and may raise to commit nothing."""
-        self._commit_point = commit_point
-        return self.finish(stage)
-
-    def passing_commit_point(self) -> None:
-        if self._commit_point is not None:
-            self._commit_point()
+        self.root.commit_point = commit_point
+        promoted = self.finish(stage)
+        return dataclasses.replace(promoted, warnings=tuple(self.warnings))
 
 
 @dataclass(frozen=True)

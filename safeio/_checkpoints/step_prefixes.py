@@ -27,22 +27,21 @@ from collections.abc import Iterable
 from typing import Any
 
 from safeio._boundary import mapped
-from safeio._errors import InvalidTargetError, TargetExistsError
-from safeio._promotion.base import PhaseHook
-from safeio._promotion.steps import (
-    LATEST,
-    MEGATRON_TRACKER,
-    SEQUENCE,
+from safeio._checkpoints.steps import (
     CommittedStep,
     ExistingDirectory,
+    RootCommit,
     StepNames,
     StepPromotion,
     StepStorage,
 )
+from safeio._errors import InvalidTargetError, TargetExistsError
+from safeio._promotion.base import PhaseHook
 from safeio._storage import manifest
 from safeio._storage.dirfd import held_directory
 from safeio._storage.fsops import discard_tree
 from safeio._storage.location import Location
+from safeio._storage.names import LATEST, MEGATRON_TRACKER, SEQUENCE
 from safeio._storage.readers import POINTER_CAP, ObjectStoreReader
 from safeio._who import who
 
@@ -55,14 +54,11 @@ class StepMarker(StepPromotion):
     """One step's commit on an object store. Its ``stage`` is the writer's local scratch (replicated
     files, uploaded at the commit); every rank's sharded files are under the prefix already."""
 
-    def __init__(
-        self, location: Location, *, steps: ObjectSteps, protect: frozenset[str], **save: Any
-    ) -> None:
-        super().__init__(location, **save)
-        self.steps = steps
-        self._protect = protect
+    root: ObjectRootCommit
+
+    def __init__(self, location: Location, *, root: ObjectRootCommit, **save: Any) -> None:
+        super().__init__(location, root=root, **save)
         self.stage_name = location.name  # written in place: the step's own prefix is its stage
-        self.retire_also: set[str] = set()  # steps the framework's own retention chose (see retire())
 
     @property
     def fs(self) -> Any:
@@ -74,14 +70,15 @@ class StepMarker(StepPromotion):
 
     def open_stage(self) -> str:
         url = self.location.url()
-        with mapped(f"cannot open the stage of step {self.step} under {self.steps.root_url}", url):
-            objects = self.steps.listing().get(self.stage_name, {})
+        step = self.root.step
+        with mapped(f"cannot open the stage of step {step} under {self.root.root_url}", url):
+            objects = self.root.objects()
             if objects:
-                if self.steps.reader(self.stage_name, objects).committed_step() is not None:
+                if self.root.committed_in(objects):
                     # On POSIX the commit replaces it; here the new version would be written over the old
                     # one in place, which would be torn before the new marker commits anything.
                     raise TargetExistsError(
-                        f"step {self.step} is already committed at {url}: on an object store a committed "
+                        f"step {step} is already committed at {url}: on an object store a committed "
                         "step cannot be replaced whole (there is no rename); save another step, or remove "
                         "it first",
                         url,
@@ -97,7 +94,7 @@ class StepMarker(StepPromotion):
                     "%s: removing %d object(s) an interrupted save of step %d left under %s",
                     who(),
                     len(objects),
-                    self.step,
+                    step,
                     url,
                 )
                 self.fs.rm(self.prefix, recursive=True)
@@ -111,20 +108,19 @@ class StepMarker(StepPromotion):
                 files = manifest.describe_files(fd, hashes=False)
             for rel in files:
                 self.fs.put_file(os.path.join(stage, *rel.split("/")), f"{self.prefix}/{rel}")
-        objects = self.steps.listing().get(self.stage_name, {})
+        objects = self.root.objects()
         objects.pop(IN_PROGRESS, None)
         if manifest.MANIFEST_NAME in objects:
             url = self.location.url()
-            raise TargetExistsError(f"step {self.step} got a commit marker meanwhile at {url}", url)
+            raise TargetExistsError(f"step {self.root.step} got a commit marker meanwhile at {url}", url)
         return {rel: {"size": size} for rel, size in sorted(objects.items())}
 
     def _promote(self, stage: str, entries: dict[str, dict[str, Any]]) -> None:
-        self.sequence = self.steps.next_sequence()
+        sequence = self.marker["sequence"] = self.root.next_sequence()
         record = self.manifest_record(entries, None)
-        self.passing_commit_point()
+        self.root.passing_commit_point()
         self.fs.pipe_file(f"{self.prefix}/{manifest.MANIFEST_NAME}", manifest.dumps(record))  # the commit
-        committed = CommittedStep(int(self.step or 0), self.stage_name, self.sequence)
-        self.warnings.extend(self.steps.after_commit(committed, self._protect, self.phase, self.retire_also))
+        self.warnings.extend(self.root.after_commit(sequence, self.phase))
 
     def discard(self, stage: str) -> None:
         # Without its marker it is never a checkpoint; if this fails, the next save of the step removes it.
@@ -219,69 +215,21 @@ class ObjectSteps(StepStorage):
         # ``existing`` is not used: objects written without safeio under the step's prefix are refused
         # (moving them aside on an object store is a copy and a delete of each, not one rename).
         del existing
+        name = self.names.format(step)
         return StepMarker(
-            self._location(self.names.format(step)),
-            steps=self,
-            protect=frozenset(protect),
+            self._location(name),
+            root=ObjectRootCommit(self, step, name, frozenset(protect)),
             options=self.options,
             rank=rank,
             call_id=f"checkpoint/{step}",
-            step=step,
             on_phase=on_phase,
         )
-
-    def next_sequence(self) -> int:
-        """The next number in commit order, recorded before the marker (see ``StepStorage``). No lock:
-        two jobs committing into one root at once are not excluded on an object store."""
-        recorded = self.read_sequence()
-        number = self.next_number(recorded)
-        if self.pointer or recorded is not None or self._has(SEQUENCE):
-            self.fs.pipe_file(self._key(SEQUENCE), str(number).encode())
-        return number
 
     def _has(self, name: str) -> bool:
         try:
             return bool(self.fs.exists(self._key(name)))
         except (OSError, ValueError):
             return False
-
-    def after_commit(
-        self,
-        committed: CommittedStep,
-        protect: frozenset[str],
-        phase: PhaseHook,
-        retire_also: Iterable[str] = (),
-    ) -> list[str]:
-        """After the marker, best effort (see ``LocalSteps.after_commit``)."""
-        warnings = []
-        phase("pointer")
-        try:
-            self.fs.rm_file(f"{self._key(committed.name)}/{IN_PROGRESS}")
-            if self.pointer or self._has(LATEST):
-                self.fs.pipe_file(self._key(LATEST), committed.name.encode())
-            if self.megatron_tracker:
-                self.fs.pipe_file(self._key(MEGATRON_TRACKER), str(committed.step).encode())
-        except (OSError, ValueError) as exc:
-            warnings.append(
-                f"step {committed.step} is committed, but the pointer under {self.root_url} was not updated "
-                f"({exc}); latest() still finds the step, and the next save writes the pointer"
-            )
-        phase("retention")
-        try:
-            retired = self.retired(committed, protect, retire_also)
-            for step in retired:
-                # The marker first: from then on the step is not a checkpoint, whatever is left of it.
-                self.fs.rm_file(f"{self._key(step.name)}/{manifest.MANIFEST_NAME}")
-        except (OSError, ValueError) as exc:
-            warnings.append(
-                f"step {committed.step} is committed, but retention under {self.root_url} failed ({exc}); "
-                "the next save retries it"
-            )
-            return warnings
-        if retired:
-            keys = [self._key(step.name) for step in retired]
-            self.delete_later(lambda: self.fs.rm(keys, recursive=True), f"{len(keys)} retired step(s)")
-        return warnings
 
     # -- every rank ----------------------------------------------------------------------------------
 
@@ -296,3 +244,69 @@ class ObjectSteps(StepStorage):
         check is what makes a stale client cache impossible to return through)."""
         self.fs.invalidate_cache(self._key(name))
         return super().step_visible(name)
+
+
+class ObjectRootCommit(RootCommit):
+    """What the commit of one step on an object store needs from its root (see ``RootCommit``): the
+    objects under the step's prefix, whether they are committed already, the next sequence number, and
+    the pointer objects and retention after the marker."""
+
+    def __init__(self, steps: ObjectSteps, step: int, name: str, protect: frozenset[str]) -> None:
+        super().__init__(step, name, protect)
+        self._steps = steps
+        self.root_url = steps.root_url
+
+    def objects(self) -> dict[str, int]:
+        """The objects under the step's prefix (relative name -> size), listed now."""
+        return self._steps.listing().get(self.name, {})
+
+    def committed_in(self, objects: dict[str, int]) -> bool:
+        """Whether ``objects`` (the step's, as listed) hold its commit marker."""
+        return self._steps.reader(self.name, objects).committed_step() is not None
+
+    def next_sequence(self) -> int:
+        """The next number in commit order, recorded before the marker (see ``StepStorage``). No lock:
+        two jobs committing into one root at once are not excluded on an object store."""
+        steps = self._steps
+        recorded = steps.read_sequence()
+        number = steps.next_number(recorded)
+        if steps.pointer or recorded is not None or steps._has(SEQUENCE):
+            steps.fs.pipe_file(steps._key(SEQUENCE), str(number).encode())
+        return number
+
+    def after_commit(
+        self, sequence: int, phase: PhaseHook, replaced: Iterable[str] = (), root_fd: int | None = None
+    ) -> list[str]:
+        """After the marker, best effort (see ``RootCommit.after_commit``); nothing is ever replaced."""
+        del replaced, root_fd
+        steps, committed = self._steps, self.committed(sequence)
+        fs, key = steps.fs, steps._key
+        warnings = []
+        phase("pointer")
+        try:
+            fs.rm_file(f"{key(committed.name)}/{IN_PROGRESS}")
+            if steps.pointer or steps._has(LATEST):
+                fs.pipe_file(key(LATEST), committed.name.encode())
+            if steps.megatron_tracker:
+                fs.pipe_file(key(MEGATRON_TRACKER), str(committed.step).encode())
+        except (OSError, ValueError) as exc:
+            warnings.append(
+                f"step {committed.step} is committed, but the pointer under {steps.root_url} was not updated "
+                f"({exc}); latest() still finds the step, and the next save writes the pointer"
+            )
+        phase("retention")
+        try:
+            retired = steps.retired(committed, self.protect, self.retire_also)
+            for step in retired:
+                # The marker first: from then on the step is not a checkpoint, whatever is left of it.
+                fs.rm_file(f"{key(step.name)}/{manifest.MANIFEST_NAME}")
+        except (OSError, ValueError) as exc:
+            warnings.append(
+                f"step {committed.step} is committed, but retention under {steps.root_url} failed ({exc}); "
+                "the next save retries it"
+            )
+            return warnings
+        if retired:
+            keys = [key(step.name) for step in retired]
+            steps.delete_later(lambda: fs.rm(keys, recursive=True), f"{len(keys)} retired step(s)")
+        return warnings

@@ -36,10 +36,8 @@ import threading
 from collections.abc import Iterator
 from typing import Any
 
-from safeio._checkpoints.checkpoints import Checkpoints
-from safeio._errors import InvalidTargetError
-from safeio._promotion import active
-from safeio._who import who
+from safeio import Checkpoints, InvalidTargetError
+from safeio.frameworks import is_staged, process_name
 from safeio.integrations import accelerate as adapter
 from safeio.integrations._accelerate_files import is_complete_for
 
@@ -115,7 +113,7 @@ def _accelerates_own(directory: Any) -> bool:
     safeio stage already open on this thread (nothing is staged twice)."""
     if getattr(_calling, "inside", False):
         return True
-    return directory is not None and active.redirect(os.path.abspath(os.fspath(directory))) is not None
+    return directory is not None and is_staged(directory)
 
 
 @contextlib.contextmanager
@@ -157,7 +155,7 @@ def _warn_unprotected(accelerator: Any, output_dir: Any) -> None:
     logger.warning(
         "%s: accelerator.save_state(%s) is not protected by safeio (SAFEIO_PATCH=accelerate): its name "
         "does not end in a step number (like epoch_3), so accelerate writes it in place",
-        who(accelerator.process_index),
+        process_name(accelerator.process_index),
         key,
     )
 

@@ -53,13 +53,8 @@ import weakref
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from safeio._checkpoints.checkpoints import Checkpoints
-from safeio._coordination.group import Group
-from safeio._errors import InvalidTargetError, UnsupportedSaveError
-from safeio._options import seconds
-from safeio._promotion import active
-from safeio._storage.dirfd import held_directory
-from safeio._storage.metadata import read_json
+from safeio import Checkpoints, Group, InvalidTargetError, UnsupportedSaveError
+from safeio.frameworks import check_timeout, open_shared_directory, stage_view
 
 __all__ = [  # and SafeTrainer, built on first use
     "CheckpointsTrainerMixin",
@@ -108,13 +103,13 @@ _WEIGHT_DIRS = ("pytorch_model_fsdp", "global_step")
 def is_complete_by_trainer(path: str) -> bool:
     """Whether a ``checkpoint-N`` written without safeio is one the Trainer finished: its own marker,
     ``trainer_state.json`` (written after the model, optimizer and RNG states), is there and parses,
-    and so are the model's weights. Read as untrusted input (the share is; ``metadata.read_json``):
+    and so are the model's weights. Read as untrusted input (the share is; ``SharedDirectory.read_json``):
     within a memory bound, and only when the directory's owner wrote it (not one another user put in a
     directory others can write)."""
     try:
-        with held_directory(path) as fd:
-            state = read_json(fd, TRAINER_STATE, _STATE_CAP, owner=os.fstat(fd).st_uid)
-            names = os.listdir(fd)
+        with open_shared_directory(path) as directory:
+            state = directory.read_json(TRAINER_STATE, _STATE_CAP)
+            names = directory.names()
     except OSError:
         return False
     if not (isinstance(state, dict) and isinstance(state.get("global_step"), int)):
@@ -127,13 +122,13 @@ def is_jit_placeholder(path: str) -> bool:
     nothing in it but its small ``checkpoint-is-incomplete.txt``. The commit replaces it (nothing in it
     is worth keeping), where a directory written without safeio would be moved aside."""
     try:
-        with held_directory(path) as fd:
-            if os.listdir(fd) != [JIT_SENTINEL]:
+        with open_shared_directory(path) as directory:
+            if directory.names() != [JIT_SENTINEL]:
                 return False
-            st = os.stat(JIT_SENTINEL, dir_fd=fd, follow_symlinks=False)
+            st = directory.lstat(JIT_SENTINEL)
     except OSError:
         return False
-    return stat.S_ISREG(st.st_mode) and st.st_size <= _SENTINEL_CAP
+    return st is not None and stat.S_ISREG(st.st_mode) and st.st_size <= _SENTINEL_CAP
 
 
 def _check_trainer(cls: type) -> None:
@@ -263,7 +258,7 @@ class CheckpointsTrainerMixin:
     def __init__(self, *args: Any, safeio_timeout: float | None = None, **kwargs: Any) -> None:
         _check_trainer(type(self))
         if safeio_timeout is not None:  # refused now, not at the first checkpoint hours into the run
-            seconds(safeio_timeout, "safeio_timeout")
+            check_timeout(safeio_timeout, "safeio_timeout")
         self.safeio_timeout = safeio_timeout
         super().__init__(*args, **kwargs)
 
@@ -303,14 +298,8 @@ class _RunView:
             link = os.path.join(path, folder)
             os.symlink(stage, link)
             view = cls(path, _mirror(run_dir, path, folder, mirrored))
-            covered = active.covering(stage)
-            redirect, results = (covered[0], covered[1].results) if covered is not None else (None, None)
-            entry = active.ActiveStage(link, stage, replicated=redirect, results=results)
-            active.push(entry)
-            try:
+            with stage_view(link, stage):
                 yield view
-            finally:
-                active.pop(entry)
         finally:
             shutil.rmtree(path, ignore_errors=True)
 

@@ -13,6 +13,9 @@ named here for what it does, and kept stable with the rest of the public API.
 - **Files in a share**: a link replaced by one rename (``replace_link``), a file removed safely
   (``remove_file``), the parent of a target made (``make_parent_directory``), a target's URL
   (``target_url``).
+- **Patches** of a framework's code (``Patch``): one base under safeio's three (``save_pretrained``,
+  the Trainer's, accelerate's) owning install, uninstall, the count of installs and the exact restore;
+  a patch supplies only what it replaces.
 - **``SAFEIO_PATCH``'s words**: the parts it can patch (``PATCH_PARTS``; ``1`` means ``PATCH_ALL``) and
   what a value asks for (``patch_parts``).
 - **Options and messages**: ``check_timeout`` refuses a bad timeout where it is given, not at the first
@@ -29,6 +32,7 @@ from safeio._autopatch import startup
 from safeio._options import seconds
 from safeio._promotion import active
 from safeio._promotion.backends import backend_for
+from safeio._saves.patches import Patch
 from safeio._storage.claims import claimed
 from safeio._storage.dirfd import held_directory, open_regular_file, walk_files
 from safeio._storage.metadata import Damaged, read_json
@@ -38,6 +42,7 @@ from safeio._who import who
 __all__ = [
     "PATCH_ALL",
     "PATCH_PARTS",
+    "Patch",
     "SharedDirectory",
     "check_timeout",
     "is_staged",

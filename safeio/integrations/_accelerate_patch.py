@@ -37,7 +37,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from safeio import Checkpoints, InvalidTargetError
-from safeio.frameworks import is_staged, process_name
+from safeio.frameworks import Patch, is_staged, process_name
 from safeio.integrations import accelerate as adapter
 from safeio.integrations._accelerate_files import is_complete_for
 
@@ -48,50 +48,21 @@ logger = logging.getLogger("safeio")
 # A step number as StepNames writes it (no sign, no leading zero), after a prefix ending in a non-digit.
 _NUMBERED = re.compile(r"(.*[^0-9])(0|[1-9][0-9]{0,17})")
 
-_lock = threading.Lock()
-_installs: list[AcceleratorPatch] = []
-_originals: dict[str, Any] = {}  # the Accelerator's own methods while a patch is installed
+_lock = threading.Lock()  # guards _roots
 _warned: set[str] = set()
 _calling = threading.local()  # set while this thread is inside the adapter, called by the patch
 
 
-class AcceleratorPatch:
+class AcceleratorPatch(Patch):
     """``install()``/``uninstall()`` or a context manager; installs are counted, the last uninstall
-    restores accelerate's own methods."""
+    restores accelerate's own methods (``safeio.frameworks.Patch``)."""
 
-    def __init__(self) -> None:
-        self.installed = False
-
-    def install(self) -> AcceleratorPatch:
+    def apply(self) -> None:
         from accelerate.accelerator import Accelerator  # not `accelerate`: still importing when patched
 
-        with _lock:
-            if not self.installed:
-                if not _installs:
-                    for name, wrap in (("save_state", _save_state), ("load_state", _load_state)):
-                        _originals[name] = vars(Accelerator)[name]
-                        setattr(Accelerator, name, wrap(_originals[name]))
-                _installs.append(self)
-                self.installed = True
-        return self
-
-    def uninstall(self) -> None:
-        from accelerate.accelerator import Accelerator  # not `accelerate`: still importing when patched
-
-        with _lock:
-            if self.installed:
-                _installs.remove(self)
-                self.installed = False
-                if not _installs:
-                    for name, original in _originals.items():
-                        setattr(Accelerator, name, original)
-                    _originals.clear()
-
-    def __enter__(self) -> AcceleratorPatch:
-        return self.install()
-
-    def __exit__(self, *exc: object) -> None:
-        self.uninstall()
+        for name, wrap in (("save_state", _save_state), ("load_state", _load_state)):
+            if not self.is_replaced(Accelerator, name):
+                self.replace(Accelerator, name, wrap(vars(Accelerator)[name]))
 
 
 def patch_accelerator() -> AcceleratorPatch:

@@ -4,10 +4,10 @@ classes), the Trainer's (``safeio.integrations.transformers``) and accelerate's
 
 Each patch only says what it replaces (``apply``, calling ``replace``); the base owns the rest, once:
 installs are counted per kind of patch (the first applies, the last restores; an install of one object
-twice counts once), everything is done under the kind's lock, an install whose ``apply`` fails leaves
-nothing of itself, and the restore is exact: every attribute replaced is put back as it was — the
-owner's own value, or no attribute of its own when it had none (a class then inherits again) — and
-never over what someone else patched over ours since.
+twice counts once, and patches what was imported since), everything is done under the kind's lock, an
+install whose ``apply`` fails leaves nothing of itself, and the restore is exact: every attribute
+replaced is put back as it was — the owner's own value, or no attribute of its own when it had none (a
+class then inherits again) — and never over what someone else patched over ours since.
 """
 
 from __future__ import annotations
@@ -52,11 +52,11 @@ class Patch:
             if not self.installed:
                 type(self)._installs.append(self)
                 self.installed = True
-                try:
-                    self.sync()
-                except BaseException:  # an unsupported framework: nothing of this install stays
-                    self.uninstall()
-                    raise
+            try:
+                self.sync()  # again for an install already counted: what was imported since is patched
+            except BaseException:  # an unsupported framework: nothing of this install stays
+                self.uninstall()
+                raise
         return self
 
     def uninstall(self) -> None:

@@ -3,8 +3,10 @@
 One writer, a private stage, one atomic promotion, every rank told the outcome, and never a wait
 without a timeout. See README.md for the why, docs/architecture.md for the layout.
 
-Only this module and the public subpackages ``safeio.testing`` and ``safeio.cli`` are API; everything
-else is private and layered, each layer importing only the ones before it:
+Only this module, ``safeio.frameworks`` and ``safeio.shares`` (what framework adapters and the command
+line are built on), and the public subpackages ``safeio.testing``, ``safeio.cli`` and
+``safeio.integrations`` are API; everything else is private and layered, each layer importing only the
+ones before it:
 
     _errors, _who, _options, _boundary   the error tree, process names, options, the error mapping
     _storage/        where a target lives; names, manifests, locks, POSIX primitives; the reading side

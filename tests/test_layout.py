@@ -100,7 +100,78 @@ def test_only_the_documented_modules_look_public() -> None:
     public = sorted(
         p.name for p in PACKAGE.iterdir() if not p.name.startswith(("_", ".")) and p.name != "py.typed"
     )
-    assert public == ["cli", "integrations", "testing"]
+    assert public == ["cli", "frameworks.py", "integrations", "shares.py", "testing"]
+
+
+# The outer layer: the framework adapters and the command line are built on the public API (``safeio``,
+# ``safeio.frameworks``, ``safeio.shares``), never on private modules, so that the core can be rearranged
+# under them. ``safeio._errors`` is the exception: the error tree is public through ``safeio``, and the CLI
+# maps it to exit codes without importing the whole package first.
+OUTER = ("safeio.integrations", "safeio.cli")
+ALLOWED_PRIVATE = {"safeio._errors"}
+
+
+def _is_private(name: str) -> bool:
+    if not name.startswith("safeio.") or name.startswith(OUTER):
+        return False  # safeio.integrations._accelerate_files is the outer layer's own: only the core is
+    if any(name == allowed or name.startswith(allowed + ".") for allowed in ALLOWED_PRIVATE):
+        return False
+    return any(part.startswith("_") and not part.startswith("__") for part in name.split(".")[1:])
+
+
+def _private_imports(tree: ast.AST) -> list[str]:
+    """Every private safeio module an ``import``/``from ... import`` anywhere in ``tree`` names (inside
+    functions too), every relative import, and every ``importlib.import_module`` of a literal name."""
+    found = []
+    for node in ast.walk(tree):
+        names: list[str] = []
+        if isinstance(node, ast.Import):
+            names = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.level > 0:
+            found.append(f"line {node.lineno}: a relative import")  # checked by nothing below: refused
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            names = (
+                [node.module] if _is_private(node.module) else [f"{node.module}.{a.name}" for a in node.names]
+            )
+        elif (
+            isinstance(node, ast.Call)
+            and getattr(node.func, "attr", getattr(node.func, "id", None)) == "import_module"
+            and node.args
+            and isinstance(node.args[0], ast.Constant)
+            and isinstance(node.args[0].value, str)
+        ):
+            names = [node.args[0].value]
+        found.extend(f"line {node.lineno}: {name}" for name in names if _is_private(name))
+    return sorted(set(found))
+
+
+def test_the_outer_layer_uses_only_the_public_api() -> None:
+    private = {
+        _module_name(path): found
+        for path in PACKAGE.rglob("*.py")
+        if _module_name(path).startswith(OUTER)
+        if (found := _private_imports(ast.parse(path.read_text())))
+    }
+    assert private == {}
+
+
+def test_the_outer_layer_check_can_fail() -> None:
+    code = (
+        "from safeio._storage.dirfd import walk\n"
+        "def f():\n    import safeio._promotion.active\n    from safeio._who import who\n"
+        "from safeio import _options\n"
+        "importlib.import_module('safeio._diagnostics.audit_report')\n"
+        "from safeio._errors import SafeIOError\nfrom safeio.integrations._accelerate_files import x\n"
+        "from .._x import y\nfrom safeio.frameworks import is_staged\n"
+    )
+    assert _private_imports(ast.parse(code)) == [
+        "line 1: safeio._storage.dirfd",
+        "line 3: safeio._promotion.active",
+        "line 4: safeio._who",
+        "line 5: safeio._options",
+        "line 6: safeio._diagnostics.audit_report",
+        "line 9: a relative import",
+    ]
 
 
 def test_lower_layers_never_import_upper_ones() -> None:

@@ -4,19 +4,19 @@ For code you do not own (HF Trainer, accelerate, your own loop). While installed
 of tokenizers, processors, image processors, feature extractors, configs and generation configs (models
 too with ``include_models``) is replaced by a wrapper that calls ``safeio._saves.hf.save_through``; classes
 defined while the patch is active (transformers imports model modules lazily) are wrapped as they appear.
-The last uninstall restores exactly the attributes that were there before.
+The last uninstall restores exactly the attributes that were there before (``safeio._saves.patches``).
 """
 
 from __future__ import annotations
 
 import contextlib
 import functools
-import threading
 from collections.abc import Iterator
 from typing import Any
 
 from safeio._options import LockSetting, Mode, SaveOptions
 from safeio._saves.hf import save_through
+from safeio._saves.patches import Patch
 
 
 def _transformers() -> Any:
@@ -63,21 +63,12 @@ def _subclasses(cls: type) -> Iterator[type]:
                 yield sub
 
 
-_MISSING = object()
-# Process-wide, as the classes they patch: the installed patches (innermost last), and what each
-# patched class had as its own attribute before (or _MISSING).
-_lock = threading.RLock()
-_stack: list[SaveRouting] = []
-_saved: dict[type, Any] = {}  # class -> its own save_pretrained
-_hooks: dict[type, Any] = {}  # base -> its own __init_subclass__
-
-
-class SaveRouting:
+class SaveRouting(Patch):
     """Routes ``save_pretrained`` of transformers' classes through safeio while installed.
 
     ``install()``/``uninstall()`` for frameworks that need a pair of calls; also a context manager.
     Installs nest (the innermost options apply) and are thread-safe; the last uninstall restores
-    exactly the attributes that were there before.
+    exactly the attributes that were there before (``safeio._saves.patches.Patch``).
     """
 
     def __init__(
@@ -92,6 +83,7 @@ class SaveRouting:
         manifest: bool = True,
         warn_after: float | None = None,
     ) -> None:
+        super().__init__()
         # The safeio options a patched call may also pass as keyword arguments (they override these).
         self.options: dict[str, Any] = {
             "timeout": timeout,
@@ -104,71 +96,38 @@ class SaveRouting:
         SaveOptions.of(**self.options)  # a bad option fails here, not at the first save
         self.group = group
         self.include_models = include_models
-        self.installed = False
 
-    # -- public --------------------------------------------------------------------------------
-
-    def install(self) -> SaveRouting:
-        with _lock:
-            if self.installed:
-                return self
-            _stack.append(self)
-            self.installed = True
-            self._sync()
-        return self
-
-    def uninstall(self) -> None:
-        with _lock:
-            if not self.installed:
-                return
-            _stack.remove(self)
-            self.installed = False
-            self._sync()
-
-    def __enter__(self) -> SaveRouting:
-        return self.install()
-
-    def __exit__(self, *exc: object) -> None:
-        self.uninstall()
-
-    # -- machinery -----------------------------------------------------------------------------
-
-    @classmethod
-    def _current(cls) -> SaveRouting | None:
-        return _stack[-1] if _stack else None
-
-    @classmethod
-    def _sync(cls) -> None:
+    def apply(self) -> None:
         """Make the patched set match what the installed patches ask for."""
         wanted: list[type] = []
-        for patch in _stack:
+        for patch in self._installs:
+            assert isinstance(patch, SaveRouting)
             for base in _patch_targets(patch.include_models):
                 if base not in wanted:
                     wanted.append(base)
-        for base in list(_hooks):
+        for base in self.replaced_owners("__init_subclass__"):
             if base not in wanted:
-                cls._unhook(base)
-        for klass in list(_saved):
+                self.restore(base, "__init_subclass__")
+        for klass in self.replaced_owners("save_pretrained"):
             if not any(klass is base or issubclass(klass, base) for base in wanted):
-                cls._restore(klass)
+                self.restore(klass, "save_pretrained")
         for base in wanted:
-            cls._hook(base)
+            self._hook(base)
             for klass in (base, *_subclasses(base)):
                 if "save_pretrained" in vars(klass):
-                    cls._wrap(klass)
+                    self._wrap(klass)
 
     @classmethod
     def _wrap(cls, klass: type) -> None:
-        if klass in _saved:
+        if cls.is_replaced(klass, "save_pretrained"):
             return
         original = vars(klass)["save_pretrained"]
-        _saved[klass] = original
 
         @functools.wraps(original)
         def save_pretrained(self: Any, save_directory: Any, *args: Any, **kwargs: Any) -> Any:
-            routing = SaveRouting._current()
+            routing = SaveRouting.current()
             bound = original.__get__(self, type(self))
-            if routing is None:
+            if not isinstance(routing, SaveRouting):
                 return bound(save_directory, *args, **kwargs)
             chosen = {**routing.options, **{k: kwargs.pop(k) for k in list(kwargs) if k in routing.options}}
             group = kwargs.pop("group", routing.group)
@@ -176,41 +135,26 @@ class SaveRouting:
             return save_through(self, bound, save_directory, args, kwargs, options, group)
 
         save_pretrained.__safeio_original__ = original  # type: ignore[attr-defined]
-        setattr(klass, "save_pretrained", save_pretrained)  # noqa: B010 - the attribute is the point
-
-    @classmethod
-    def _restore(cls, klass: type) -> None:
-        original = _saved.pop(klass)
-        klass.save_pretrained = original  # type: ignore[attr-defined]
+        cls.replace(klass, "save_pretrained", save_pretrained)
 
     @classmethod
     def _hook(cls, base: type) -> None:
         """Wrap classes defined while the patch is active (transformers imports model modules lazily)."""
-        if base in _hooks:
+        if cls.is_replaced(base, "__init_subclass__"):
             return
-        own = vars(base).get("__init_subclass__", _MISSING)
-        _hooks[base] = own
+        own = vars(base).get("__init_subclass__")
 
         def __init_subclass__(sub: Any, /, **kwargs: Any) -> None:
-            if own is _MISSING:
+            if own is None:
                 parent: Any = super(base, sub)
                 parent.__init_subclass__(**kwargs)
             else:
                 own.__func__(sub, **kwargs)
-            with _lock:
-                if base in _hooks and "save_pretrained" in vars(sub):
-                    SaveRouting._wrap(sub)
+            with cls._lock:
+                if cls.is_replaced(base, "__init_subclass__") and "save_pretrained" in vars(sub):
+                    cls._wrap(sub)
 
-        hook: Any = classmethod(__init_subclass__)
-        setattr(base, "__init_subclass__", hook)  # noqa: B010
-
-    @classmethod
-    def _unhook(cls, base: type) -> None:
-        own = _hooks.pop(base)
-        if own is _MISSING:
-            delattr(base, "__init_subclass__")
-        else:
-            setattr(base, "__init_subclass__", own)  # noqa: B010
+        cls.replace(base, "__init_subclass__", classmethod(__init_subclass__))
 
 
 def patch_save_pretrained(

@@ -10,8 +10,8 @@ import re
 import sys
 from typing import Any
 
-from safeio._storage.readers import NOT_A_DIRECTORY, why_not_a_directory
 from safeio.cli._exit_codes import EXIT_INTERRUPTED, EXIT_OK, EXIT_PROBLEMS, EXIT_USAGE
+from safeio.shares import NOT_A_DIRECTORY, why_not_a_directory
 
 __all__ = [
     "EXIT_INTERRUPTED",

@@ -14,20 +14,20 @@ import os
 import stat
 from typing import Any
 
-from safeio._checkpoints.pointer import read_pointer
-from safeio._checkpoints.steps import StepNames
 from safeio._errors import InvalidTargetError
-from safeio._promotion.backends import backend_for
-from safeio._storage.dirfd import held_directory, walk_files
-from safeio._storage.manifest import MANIFEST_NAME
-from safeio._storage.names import LATEST, Sibling, parse
 from safeio.cli._states import State, fix
-from safeio.integrations._accelerate_files import ranks_written
-from safeio.integrations.transformers import TRAINER_STATE, is_complete_by_trainer
+from safeio.frameworks import open_shared_directory
+from safeio.shares import (
+    MANIFEST_NAME,
+    Sibling,
+    StepNames,
+    Target,
+    framework_marker,
+    parse_leftover,
+    read_latest,
+)
 
 PATTERNS = ("step_{step}", "checkpoint-{step}", "checkpoint_{step}")  # checkpoint_{step}: accelerate's
-DCP_METADATA = ".metadata"
-ACCELERATE = "accelerate's random_states_<rank>.pkl"
 # How a latest pointer that does not name a committed step is put right (ls and verify say it alike).
 LATEST_FIX = (
     "the next committed save rewrites it; `latest()` resumes from the newest committed step meanwhile"
@@ -42,7 +42,7 @@ def latest_pointer(root: str) -> tuple[str | None, str | None]:
     """What ``latest`` under ``root`` names (None: no pointer), and the problem with it, if any (a link,
     a FIFO, a huge file: reported with its path, never followed or read)."""
     try:
-        return read_pointer(os.path.join(root, LATEST)), None
+        return read_latest(root), None
     except InvalidTargetError as exc:
         return None, str(exc)
 
@@ -55,7 +55,7 @@ def checkpoint_rows(root: str, names: list[StepNames]) -> list[dict[str, Any]]:
     owner = os.stat(root).st_uid
     for entry in sorted(os.listdir(root)):
         path = os.path.join(root, entry)
-        sibling = parse(entry)
+        sibling = parse_leftover(entry)
         if sibling is not None:
             if sibling.kind != "stage" or not any(p.parse(sibling.base) is not None for p in names):
                 continue
@@ -112,10 +112,10 @@ def step_state(path: str, owner: int) -> tuple[State, str, int | None]:
         marker_uid = os.lstat(os.path.join(path, MANIFEST_NAME)).st_uid
         if marker_uid != owner:  # another user's marker in a directory they can write: not read
             return State.ANOTHER_USERS, _theirs(marker_uid, None), None
-    reader = backend_for(path).reader()
+    reader = Target(path)
     record = reader.committed_marker()
     if record is not None:
-        uid = reader.owner(record)
+        uid = reader.marker_owner(record)
         if uid != owner:
             return State.ANOTHER_USERS, f"committed by another user (uid {uid})", None
         return State.COMMITTED, f"step {record['step']}, {len(record['files'])} file(s)", None
@@ -138,23 +138,6 @@ def _first(problems: list[str], shown: int = 3) -> str:
     return "; ".join(problems[:shown]) + more
 
 
-def framework_marker(path: str) -> tuple[str | None, int | None]:
-    """The framework's own completion marker of a checkpoint directory safeio did not write, when it is
-    there: the HF Trainer's ``trainer_state.json`` (with the weights), accelerate's random states of every
-    rank (written last by each; ``_accelerate_files``; with the number of ranks), or
-    ``torch.distributed.checkpoint``'s ``.metadata`` (written last by its save). None: no marker safeio
-    knows says it is complete."""
-    if is_complete_by_trainer(path):
-        return TRAINER_STATE, None
-    ranks = ranks_written(path)
-    if ranks is not None:
-        return f"{ACCELERATE} of {ranks} rank{'s' if ranks > 1 else ''}", ranks
-    with contextlib.suppress(OSError), held_directory(path) as fd:
-        if stat.S_ISREG(os.stat(DCP_METADATA, dir_fd=fd, follow_symlinks=False).st_mode):
-            return f"torch.distributed.checkpoint's {DCP_METADATA}", None
-    return None, None
-
-
 def _fewer_ranks_are_incomplete(rows: list[dict[str, Any]], ranks: dict[str, int]) -> None:
     """accelerate writes no marker, and ``ls`` does not know how many ranks the job had: a checkpoint
     with fewer ranks' random states than another of this root is one a killed rank left unfinished."""
@@ -170,7 +153,7 @@ def _fewer_ranks_are_incomplete(rows: list[dict[str, Any]], ranks: dict[str, int
 
 def _size(path: str) -> int:
     try:
-        with held_directory(path) as fd:
-            return sum(st.st_size for _rel, _fd, _name, st in walk_files(fd))
+        with open_shared_directory(path) as directory:
+            return directory.size()
     except OSError:
         return 0

@@ -12,7 +12,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
-from safeio._storage.mounts import MountInfo, mount_of
+from safeio.shares import MountInfo, mount_of
 
 LOCAL_DISK_TYPES = frozenset(
     {"ext2", "ext3", "ext4", "xfs", "btrfs", "zfs", "f2fs", "jfs", "reiserfs", "bcachefs"}

@@ -22,8 +22,9 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from safeio._storage.posix import EXCHANGE_UNSUPPORTED, RENAME_EXCHANGE, renameat2
 from safeio.cli._common import human_seconds
+from safeio.shares import EXCHANGE_UNSUPPORTED
+from safeio.shares import exchange as exchange_entries
 
 FSYNC_SAMPLES = 5
 _PEER_SCRIPT = str(Path(__file__).with_name("_peer.py"))
@@ -144,7 +145,7 @@ def exchange(scratch: str) -> Probe:
         os.mkdir(a)
         os.mkdir(b)
         _write(os.path.join(a, "which"), b"a")
-        renameat2(a, b, RENAME_EXCHANGE)
+        exchange_entries(a, b)
     except OSError as exc:
         if exc.errno in EXCHANGE_UNSUPPORTED:
             return Probe(

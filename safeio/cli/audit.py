@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import importlib
 from typing import Any
 
 from safeio.cli._common import EXIT_OK, EXIT_PROBLEMS, CliError, existing_directory, print_json
@@ -37,12 +36,12 @@ def run_report(args: argparse.Namespace) -> int:
     record_dir = existing_directory(args.record_dir, what="DIR")
     try:
         # Imported here: the sanitizer is machinery the other commands never need.
-        audit = importlib.import_module("safeio._diagnostics.audit_report")
+        from safeio.shares import format_audit_report, merge_audit_records
     except ImportError as exc:
         raise CliError(f"the audit sanitizer is not available in this installation ({exc})") from None
-    report = audit.merge_reports(record_dir)
+    report = merge_audit_records(record_dir)
     if args.json:
         print_json(report.to_dict())
     else:
-        print(audit.format_report(report))
+        print(format_audit_report(report))
     return EXIT_PROBLEMS if report.conflicts else EXIT_OK

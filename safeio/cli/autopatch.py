@@ -16,8 +16,8 @@ import subprocess
 import sys
 from typing import Any
 
-from safeio._autopatch import startup
 from safeio.cli._common import EXIT_OK, EXIT_PROBLEMS, CliError, print_json
+from safeio.frameworks import PATCH_ALL, PATCH_PARTS, patch_parts
 
 PTH = "safeio-autopatch.pth"
 _PROBE = (
@@ -64,15 +64,15 @@ def run(args: argparse.Namespace) -> int:
     hooks = hook_files()
     here = os.environ.get("SAFEIO_PATCH")
     # Off (or unset) here: show what 1 does; otherwise this value, an unknown word reported as the NO.
-    value = here if here is not None and startup.parts(here) != ([], []) else "1"
-    chosen, unknown = startup.parts(value)
+    value = here if here is not None and patch_parts(here) != ([], []) else "1"
+    chosen, unknown = patch_parts(value)
     if chosen:
         pid, parts, error = _probe(value)
     else:  # words only, none of them a part: no process is patched, and no need to start one to see it
         pid, parts = "", ""
         error = (
             f"SAFEIO_PATCH={value!r} names no part (unknown: {', '.join(unknown)}); the parts are "
-            f"{', '.join(startup.PARTS)}, and 1 for {', '.join(startup.EVERYTHING)}"
+            f"{', '.join(PATCH_PARTS)}, and 1 for {', '.join(PATCH_ALL)}"
         )
     works = error is None
     report = {

@@ -17,11 +17,10 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from safeio._storage.fsops import remove_tree
-from safeio._storage.names import sibling_name
 from safeio.cli import _probes
 from safeio.cli._common import EXIT_OK, EXIT_PROBLEMS, CliError, existing_directory, print_json, write_error
 from safeio.cli._fsinfo import FsInfo, inspect
+from safeio.shares import remove_tree, temporary_name
 
 DEFAULT_PROBE_TIMEOUT = 2.0
 
@@ -97,7 +96,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _run_probes(path: str, peer_root: str | None, timeout: float) -> list[_probes.Probe]:
-    name = sibling_name("safeio-doctor", "tmp")
+    name = temporary_name("safeio-doctor")
     scratch = os.path.join(path, name)
     peer: _probes.Peer | None = None
     # The mkdir inside the clean-up's reach: a Ctrl-C delivered while it was blocked on a hung share

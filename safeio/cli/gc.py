@@ -1,12 +1,12 @@
 """``safeio gc PATH``: remove what crashed safeio writers left behind, and nothing else.
 
-Leftovers are recognised by name only (``safeio._storage.names``: stages, old versions renamed aside,
-temporary files and links, version directories; ``.<target>.safeio.lock`` markers), and judged by
-``safeio._promotion.leftovers``, the same code a writer runs before it promotes: a sibling whose
-owner is alive on this host is never touched; one whose owner is gone is removed (or, for an old
-version whose target is missing, put back; for an interrupted merge, rolled forward); one owned by
-another host only with ``--older-than``. Silly-renamed ``.nfs*`` files inside a leftover go with it
-once their reader has closed them.
+Leftovers are recognised by name only (``safeio.shares.parse_leftover``: stages, old versions renamed
+aside, temporary files and links, version directories; ``.<target>.safeio.lock`` markers), and judged by
+``safeio.shares`` (``staleness``, ``recover_leftovers``), the same code a writer runs before it
+promotes: a sibling whose owner is alive on this host is never touched; one whose owner is gone is
+removed (or, for an old version whose target is missing, put back; for an interrupted merge, rolled
+forward); one owned by another host only with ``--older-than``. Silly-renamed ``.nfs*`` files inside a
+leftover go with it once their reader has closed them.
 """
 
 from __future__ import annotations
@@ -18,11 +18,6 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from safeio._promotion.leftovers import TargetOwners, recover_directory, staleness
-from safeio._promotion.recovery_records import Action
-from safeio._storage.dirfd import held_directory, lstat_at, walk
-from safeio._storage.lock_markers import read_marker, remove_if_unchanged
-from safeio._storage.names import LOCK_SUFFIX, parse
 from safeio.cli._common import (
     EXIT_OK,
     EXIT_PROBLEMS,
@@ -34,6 +29,19 @@ from safeio.cli._common import (
 )
 from safeio.cli._states import State
 from safeio.cli._states import fix as state_fix
+from safeio.frameworks import open_shared_directory
+from safeio.shares import (
+    LOCK_SUFFIX,
+    Action,
+    LeftoverOwners,
+    lstat_at,
+    parse_leftover,
+    read_lock_marker,
+    recover_leftovers,
+    remove_lock_marker_if_unchanged,
+    staleness,
+    walk,
+)
 
 
 def add_parser(commands: Any, epilog: str) -> None:
@@ -99,18 +107,18 @@ def run(args: argparse.Namespace) -> int:
     # meanwhile cannot lead gc outside PATH. The walk recurses on nothing (os.fwalk did, once per
     # level: a 3,000-level tree was a RecursionError); a directory too deep to name is an error here.
     try:
-        with held_directory(root, follow=True) as root_fd:
-            for listing in walk(root_fd, onerror=onerror):
+        with open_shared_directory(root, follow=True) as top:
+            for listing in walk(top.fd, onerror=onerror):
                 dirpath = os.path.join(root, listing.rel) if listing.rel else root
                 names = sorted([*listing.subdirs, *(name for name, _st in listing.entries)])
-                if any(parse(name) is not None or _is_lock_name(name) for name in names):
+                if any(parse_leftover(name) is not None or _is_lock_name(name) for name in names):
                     _collect(dirpath, listing.fd, names, report, args.older_than, args.dry_run)
                 # A safeio sibling is handled whole (its contents, .nfs* included, are safeio's); the
                 # strict lock's claims directory belongs to filelock.
                 listing.subdirs[:] = [
                     d
                     for d in listing.subdirs
-                    if parse(d) is None
+                    if parse_leftover(d) is None
                     and not d.endswith(LOCK_SUFFIX + ".filelock")
                     and lstat_at(listing.fd, d) is not None
                 ]
@@ -131,7 +139,7 @@ def _collect(
     directory: str, dir_fd: int, names: list[str], report: Report, older_than: float | None, dry_run: bool
 ) -> None:
     try:
-        actions = recover_directory(
+        actions = recover_leftovers(
             directory, parent_fd=dir_fd, older_than=older_than, dry_run=dry_run, keep_going=True
         )
     except OSError as exc:
@@ -154,10 +162,10 @@ def _collect(
                 {"path": action.path, "error": "still in use (files open elsewhere); run gc again later"}
             )
     now = time.time()
-    owners = TargetOwners(dir_fd, names)  # one pass, however many names were planted
+    owners = LeftoverOwners(dir_fd, names)  # one pass, however many names were planted
     for name in names:
         path = os.path.join(directory, name)
-        sibling = parse(name)
+        sibling = parse_leftover(name)
         found = lstat_at(dir_fd, name) if sibling is not None and path not in acted else None
         if sibling is not None and found is not None:
             owner_counts = owners.of(sibling)
@@ -171,7 +179,7 @@ def _collect(
 def _found(path: str, *, kept: bool = False) -> State:
     """What a leftover of a user whose leftovers gc may recover is, by its name: its save's process
     alive (in progress), gone (stale), on another host; a version directory gc keeps is in use."""
-    sibling = parse(os.path.basename(path))
+    sibling = parse_leftover(os.path.basename(path))
     if sibling is None:
         return State.STALE
     if sibling.kind == "v":
@@ -192,7 +200,7 @@ def _action_dict(action: Action, dry_run: bool, state: State) -> dict[str, Any]:
 
 
 # ---------------------------------------------------------------------------------------------------
-# Soft-lock markers (judged by safeio._storage.lock_markers)
+# Soft-lock markers (judged by safeio.shares.read_lock_marker)
 
 
 def _collect_lock(
@@ -205,7 +213,7 @@ def _collect_lock(
     now: float,
 ) -> None:
     path = os.path.join(directory, name)
-    marker = read_marker(dir_fd, name)
+    marker = read_lock_marker(dir_fd, name)
     if marker is None:
         return
     owners = _lock_owners(dir_fd, name)
@@ -243,7 +251,7 @@ def _collect_lock(
         return
     done = not dry_run
     if not dry_run:
-        done = remove_if_unchanged(dir_fd, name, marker)
+        done = remove_lock_marker_if_unchanged(dir_fd, name, marker)
         if not done:
             report.keep(path, State.IN_PROGRESS, "lock changed hands while gc looked at it")
             return

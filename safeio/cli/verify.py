@@ -6,13 +6,10 @@ import argparse
 import os
 from typing import Any
 
-from safeio._promotion.backends import backend_for
-from safeio._storage import digests, manifest
-from safeio._storage.readers import TargetReader
 from safeio.cli._common import EXIT_OK, EXIT_PROBLEMS, not_a_directory, print_json
-from safeio.cli._entries import framework_marker
 from safeio.cli._states import State, fix
 from safeio.cli.verify_root import verify_root
+from safeio.shares import MANIFEST_NAME, Target, checksum_kinds, framework_marker
 
 
 def add_parser(commands: Any, epilog: str) -> None:
@@ -20,7 +17,7 @@ def add_parser(commands: Any, epilog: str) -> None:
         "verify",
         help="check a promoted directory or object-store prefix against its manifest",
         description="Check a directory (or an object-store prefix such as s3://bucket/ckpt/tokenizer) "
-        f"that safeio promoted against its {manifest.MANIFEST_NAME}: every listed file present, sizes and "
+        f"that safeio promoted against its {MANIFEST_NAME}: every listed file present, sizes and "
         "checksums (when the save was durable: xxh3_128, or sha256 in a format-1 manifest of an earlier "
         "safeio) matching. An object-store prefix without its commit marker "
         "is an incomplete commit. PATH may also be a safeio.Checkpoints root: then every step is checked (a "
@@ -38,14 +35,13 @@ def add_parser(commands: Any, epilog: str) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    backend = backend_for(args.path)  # InvalidTargetError (empty path, NUL byte) is bad input: exit 2
-    shown = backend.url()
-    reader = backend.reader()
+    reader = Target(args.path)  # InvalidTargetError (empty path, NUL byte) is bad input: exit 2
+    shown = reader.url
     absent = reader.absence()
     if absent is not None:  # a path naming nothing is bad input, as for `ls` and `gc`
         raise not_a_directory(args.path, absent)
-    if reader.manifest() is None and backend.holds_checkpoints():
-        return verify_root(backend.location.path, args)
+    if reader.manifest() is None and reader.holds_checkpoints():
+        return verify_root(reader.path, args)
     problems = reader.verify(check_hashes=not args.no_hashes)
     record = reader.manifest()
     unlisted: list[str] = []
@@ -54,8 +50,8 @@ def run(args: argparse.Namespace) -> int:
     except OSError as exc:  # a tree too deep to list, a directory that cannot be read
         where = os.path.join(shown, exc.filename) if isinstance(exc.filename, str) else shown
         problems = [*problems, f"{where}: {exc.strerror or exc}; its files were not checked"]
-    state, detail = _state(backend.location.path, reader, record, problems)
-    checksums = _checksums(record) if record is not None and not args.no_hashes else []
+    state, detail = _state(reader.path, reader, record, problems)
+    checksums = checksum_kinds(record) if record is not None and not args.no_hashes else []
     if record is None:
         problems = [] if state == State.UNMARKED_COMPLETE else [detail]
     report: dict[str, Any] = {
@@ -87,16 +83,16 @@ def _fix(state: State, shown: str) -> str | None:
 
 
 def _state(
-    path: str, reader: TargetReader, record: dict[str, Any] | None, problems: list[str]
+    path: str, reader: Target, record: dict[str, Any] | None, problems: list[str]
 ) -> tuple[State, str]:
     """The target's state in the words ``ls`` and ``gc`` use, and its detail."""
     if record is not None:
         if problems:
-            return State.DAMAGED, f"{len(problems)} problem(s) against its {manifest.MANIFEST_NAME}"
-        return State.COMMITTED, f"{len(record['files'])} file(s) match its {manifest.MANIFEST_NAME}"
+            return State.DAMAGED, f"{len(problems)} problem(s) against its {MANIFEST_NAME}"
+        return State.COMMITTED, f"{len(record['files'])} file(s) match its {MANIFEST_NAME}"
     if reader.marker_required:  # an object-store prefix: objects, and no commit marker
         return State.UNCOMMITTED, reader.describe_missing_manifest()
-    if os.path.lexists(os.path.join(path, manifest.MANIFEST_NAME)):
+    if os.path.lexists(os.path.join(path, MANIFEST_NAME)):
         return State.DAMAGED, reader.no_manifest_problem()
     marker, _ranks = framework_marker(path)
     if marker is None:
@@ -107,11 +103,6 @@ def _state(
         f"complete by {marker}; safeio has no manifest of its files, so their sizes and contents were not "
         "checked"
     )
-
-
-def _checksums(record: dict[str, Any]) -> list[str]:
-    """The kinds of checksum the manifest's entries hold (a merge may keep older sha256 entries)."""
-    return sorted({name for entry in record["files"].values() for name in digests.recorded(entry)})
 
 
 def _print(report: dict[str, Any]) -> None:

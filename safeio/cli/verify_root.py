@@ -18,11 +18,11 @@ import argparse
 import os
 from typing import Any
 
-from safeio._promotion.backends import backend_for
 from safeio.cli._common import EXIT_OK, EXIT_PROBLEMS, print_json
 from safeio.cli._entries import LATEST_FIX, checkpoint_rows, latest_pointer, name_patterns
 from safeio.cli._states import State, fix
 from safeio.cli.ls import print_fixes
+from safeio.shares import Target
 
 JUDGED = (State.DAMAGED, State.UNMARKED_INCOMPLETE)  # a step in these states is a problem
 
@@ -56,7 +56,7 @@ def verify_root(root: str, args: argparse.Namespace) -> int:
 
 def _check(root: str, row: dict[str, Any], *, check_hashes: bool) -> None:
     """A committed step checked against its marker, checksums included: damaged when anything differs."""
-    found = backend_for(os.path.join(root, row["name"])).reader().verify(check_hashes=check_hashes)
+    found = Target(os.path.join(root, row["name"])).verify(check_hashes=check_hashes)
     if found:
         row.update(state=State.DAMAGED, detail="; ".join(found), fix=fix(State.DAMAGED, root))
 

@@ -38,7 +38,7 @@ import re
 import struct
 from typing import Any
 
-from safeio._storage.dirfd import held_directory, open_regular_file
+from safeio.frameworks import SharedDirectory, open_shared_directory
 
 RANDOM_STATES = "random_states_{rank}.pkl"
 _RANDOM_STATES = re.compile(r"random_states_(\d+)\.pkl")
@@ -74,11 +74,11 @@ def needed_files(accelerator: Any) -> list[tuple[str, ...]]:
 def is_complete_for(accelerator: Any, path: str) -> bool:
     """Whether ``path`` holds every file ``needed_files(accelerator)`` names, each archive whole."""
     try:
-        with held_directory(path) as fd:
-            names = set(os.listdir(fd))
+        with open_shared_directory(path) as directory:
+            names = set(directory.names())
             for choices in needed_files(accelerator):
                 present = [n for n in choices if n in names]
-                if not present or not _whole(fd, present[0]):
+                if not present or not _whole(directory, present[0]):
                     return False
     except OSError:
         return False
@@ -90,12 +90,12 @@ def ranks_written(path: str) -> int | None:
     accelerate checkpoint holds, when it looks complete (a model's weights, ``random_states_0.pkl`` …
     ``random_states_<k-1>.pkl`` without a gap, every archive whole); None otherwise."""
     try:
-        with held_directory(path) as fd:
-            names = os.listdir(fd)
+        with open_shared_directory(path) as directory:
+            names = directory.names()
             ranks = sorted(int(m.group(1)) for n in names if (m := _RANDOM_STATES.fullmatch(n)))
             if not ranks or ranks != list(range(len(ranks))) or not any(_WEIGHTS.fullmatch(n) for n in names):
                 return None
-            if not all(_whole(fd, n) for n in names if n.endswith(_ARCHIVES)):
+            if not all(_whole(directory, n) for n in names if n.endswith(_ARCHIVES)):
                 return None
     except OSError:
         return None
@@ -115,15 +115,15 @@ def _saves_its_sampler(loader: Any) -> bool:
     return isinstance(loader.get_sampler(), SeedableRandomSampler)
 
 
-def _whole(dir_fd: int, name: str) -> bool:
+def _whole(directory: SharedDirectory, name: str) -> bool:
     """A regular file of the directory's owner; a ``torch.save`` archive whose end is a zip archive's
     (``archive_is_whole``)."""
     try:
-        fd, st = open_regular_file(dir_fd, name)
+        fd, st = directory.open_regular_file(name)
     except OSError:
         return False
     try:
-        if st.st_uid != os.fstat(dir_fd).st_uid:
+        if st.st_uid != directory.owner:
             return False  # another user's file planted in the checkpoint: never read, never counted
         return not name.endswith(_ARCHIVES) or archive_is_whole(fd, st.st_size)
     except OSError:

@@ -36,10 +36,8 @@ import threading
 from collections.abc import Iterator
 from typing import Any
 
-from safeio._checkpoints.checkpoints import Checkpoints
-from safeio._errors import InvalidTargetError
-from safeio._promotion import active
-from safeio._who import who
+from safeio import Checkpoints, InvalidTargetError
+from safeio.frameworks import Patch, is_staged, process_name
 from safeio.integrations import accelerate as adapter
 from safeio.integrations._accelerate_files import is_complete_for
 
@@ -50,50 +48,21 @@ logger = logging.getLogger("safeio")
 # A step number as StepNames writes it (no sign, no leading zero), after a prefix ending in a non-digit.
 _NUMBERED = re.compile(r"(.*[^0-9])(0|[1-9][0-9]{0,17})")
 
-_lock = threading.Lock()
-_installs: list[AcceleratorPatch] = []
-_originals: dict[str, Any] = {}  # the Accelerator's own methods while a patch is installed
+_lock = threading.Lock()  # guards _roots
 _warned: set[str] = set()
 _calling = threading.local()  # set while this thread is inside the adapter, called by the patch
 
 
-class AcceleratorPatch:
+class AcceleratorPatch(Patch):
     """``install()``/``uninstall()`` or a context manager; installs are counted, the last uninstall
-    restores accelerate's own methods."""
+    restores accelerate's own methods (``safeio.frameworks.Patch``)."""
 
-    def __init__(self) -> None:
-        self.installed = False
-
-    def install(self) -> AcceleratorPatch:
+    def apply(self) -> None:
         from accelerate.accelerator import Accelerator  # not `accelerate`: still importing when patched
 
-        with _lock:
-            if not self.installed:
-                if not _installs:
-                    for name, wrap in (("save_state", _save_state), ("load_state", _load_state)):
-                        _originals[name] = vars(Accelerator)[name]
-                        setattr(Accelerator, name, wrap(_originals[name]))
-                _installs.append(self)
-                self.installed = True
-        return self
-
-    def uninstall(self) -> None:
-        from accelerate.accelerator import Accelerator  # not `accelerate`: still importing when patched
-
-        with _lock:
-            if self.installed:
-                _installs.remove(self)
-                self.installed = False
-                if not _installs:
-                    for name, original in _originals.items():
-                        setattr(Accelerator, name, original)
-                    _originals.clear()
-
-    def __enter__(self) -> AcceleratorPatch:
-        return self.install()
-
-    def __exit__(self, *exc: object) -> None:
-        self.uninstall()
+        for name, wrap in (("save_state", _save_state), ("load_state", _load_state)):
+            if not self.is_replaced(Accelerator, name):
+                self.replace(Accelerator, name, wrap(vars(Accelerator)[name]))
 
 
 def patch_accelerator() -> AcceleratorPatch:
@@ -115,7 +84,7 @@ def _accelerates_own(directory: Any) -> bool:
     safeio stage already open on this thread (nothing is staged twice)."""
     if getattr(_calling, "inside", False):
         return True
-    return directory is not None and active.redirect(os.path.abspath(os.fspath(directory))) is not None
+    return directory is not None and is_staged(directory)
 
 
 @contextlib.contextmanager
@@ -157,7 +126,7 @@ def _warn_unprotected(accelerator: Any, output_dir: Any) -> None:
     logger.warning(
         "%s: accelerator.save_state(%s) is not protected by safeio (SAFEIO_PATCH=accelerate): its name "
         "does not end in a step number (like epoch_3), so accelerate writes it in place",
-        who(accelerator.process_index),
+        process_name(accelerator.process_index),
         key,
     )
 

@@ -31,9 +31,7 @@ import types
 from collections.abc import Iterator
 from typing import Any
 
-from safeio._checkpoints.checkpoints import Checkpoint, Checkpoints
-from safeio._errors import UnsupportedSaveError
-from safeio._saves.torch import torch_save
+from safeio import Checkpoint, Checkpoints, UnsupportedSaveError, torch_save
 from safeio.integrations._accelerate_files import is_complete_for
 
 __all__ = ["checkpoints_for", "load_state", "save_state"]

@@ -26,12 +26,14 @@ from typing import Any
 from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
 from lightning.pytorch.callbacks import ModelCheckpoint
 
-from safeio import InvalidOptionError, InvalidTargetError, UnsupportedSaveError
-from safeio._promotion.backends import backend_for
-from safeio._saves.atomic import atomic_open
-from safeio._storage.claims import claimed
-from safeio._storage.dirfd import held_directory, open_regular_file
-from safeio._storage.names import sibling_name
+from safeio import InvalidOptionError, InvalidTargetError, UnsupportedSaveError, atomic_open
+from safeio.frameworks import (
+    make_parent_directory,
+    open_shared_directory,
+    remove_file,
+    replace_link,
+    target_url,
+)
 
 __all__ = ["SafeCheckpointIO", "SafeModelCheckpoint"]
 
@@ -51,21 +53,21 @@ class SafeCheckpointIO(TorchCheckpointIO):
     def save_checkpoint(
         self, checkpoint: dict[str, Any], path: Any, storage_options: Any | None = None
     ) -> None:
-        backend = backend_for(path)  # a path that is none (None, a number) is refused here, named
+        url = target_url(path)  # a path that is none (None, a number) is refused here, named
         if storage_options is not None:  # a TypeError, as TorchCheckpointIO's own refusal
             raise UnsupportedSaveError(
                 f"SafeCheckpointIO.save_checkpoint takes no storage_options, got {storage_options!r} for "
-                f"{backend.url()}",
-                backend.url(),
+                f"{url}",
+                url,
             )
         import torch
 
-        backend.make_parent()
+        make_parent_directory(path)
         with atomic_open(path, "wb", durable=self.durable) as f:
             torch.save(checkpoint, f)
 
     def remove_checkpoint(self, path: Any) -> None:
-        backend_for(path).remove_file(durable=self.durable)
+        remove_file(path, durable=self.durable)
 
 
 class SafeModelCheckpoint(ModelCheckpoint):
@@ -96,38 +98,22 @@ class SafeModelCheckpoint(ModelCheckpoint):
 
 
 def _replace_with_link(filepath: str, linkpath: str) -> None:
-    """``linkpath`` becomes a relative link to ``filepath`` by one rename; where the filesystem refuses
-    links, an atomic copy of it (ModelCheckpoint's fallback, which copies over the removed link)."""
-    parent = os.path.dirname(os.path.abspath(linkpath))
-    name = os.path.basename(linkpath)
-    # Through the directory's handle: nothing planted in the shared directory is followed.
-    with (
-        held_directory(parent, follow=True) as parent_fd,
-        claimed(sibling_name(name, "tmp")) as temporary,
-    ):
-        try:
-            os.symlink(os.path.relpath(filepath, parent), temporary, dir_fd=parent_fd)
-        except OSError:
-            # SMB/CIFS and FAT shares, or Windows without the privilege, have no symbolic links
-            # (EPERM, EOPNOTSUPP, ENOSYS); ModelCheckpoint then copies the file, on any OSError.
-            _copy_into_place(filepath, linkpath)
-            return
-        try:
-            # Readers see the old link or the new one, never none.
-            os.replace(temporary, name, src_dir_fd=parent_fd, dst_dir_fd=parent_fd)
-        except BaseException:
-            os.unlink(temporary, dir_fd=parent_fd)
-            raise
-        os.fsync(parent_fd)
+    """``linkpath`` becomes a relative link to ``filepath`` by one rename (readers see the old link or the
+    new one, never none); where the filesystem refuses links, an atomic copy of it (ModelCheckpoint's
+    fallback, which copies over the removed link)."""
+    if not replace_link(linkpath, filepath):
+        # No symbolic links on this filesystem (SMB/CIFS, FAT): ModelCheckpoint then copies the file, on
+        # any OSError of its os.symlink.
+        _copy_into_place(filepath, linkpath)
 
 
 def _copy_into_place(filepath: str, linkpath: str) -> None:
     # A directory at linkpath is refused here too: atomic_open raises InvalidTargetError naming it.
     # The source is read through its directory's handle, never through a link planted under its name in
     # the shared directory: that would copy whatever file the link names (anyone's) into the share.
-    with held_directory(os.path.dirname(os.path.abspath(filepath)), follow=True) as source_dir:
+    with open_shared_directory(os.path.dirname(os.path.abspath(filepath)), follow=True) as source_dir:
         try:
-            fd, _ = open_regular_file(source_dir, os.path.basename(filepath))
+            fd, _ = source_dir.open_regular_file(os.path.basename(filepath))
         except OSError as exc:
             raise InvalidTargetError(
                 f"{filepath} is not a regular file of this directory ({exc.strerror or exc}); "

@@ -48,18 +48,12 @@ import shutil
 import stat
 import sys
 import tempfile
-import threading
 import weakref
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from safeio._checkpoints.checkpoints import Checkpoints
-from safeio._coordination.group import Group
-from safeio._errors import InvalidTargetError, UnsupportedSaveError
-from safeio._options import seconds
-from safeio._promotion import active
-from safeio._storage.dirfd import held_directory
-from safeio._storage.metadata import read_json
+from safeio import Checkpoints, Group, InvalidTargetError, UnsupportedSaveError
+from safeio.frameworks import Patch, check_timeout, open_shared_directory, stage_view
 
 __all__ = [  # and SafeTrainer, built on first use
     "CheckpointsTrainerMixin",
@@ -108,13 +102,13 @@ _WEIGHT_DIRS = ("pytorch_model_fsdp", "global_step")
 def is_complete_by_trainer(path: str) -> bool:
     """Whether a ``checkpoint-N`` written without safeio is one the Trainer finished: its own marker,
     ``trainer_state.json`` (written after the model, optimizer and RNG states), is there and parses,
-    and so are the model's weights. Read as untrusted input (the share is; ``metadata.read_json``):
+    and so are the model's weights. Read as untrusted input (the share is; ``SharedDirectory.read_json``):
     within a memory bound, and only when the directory's owner wrote it (not one another user put in a
     directory others can write)."""
     try:
-        with held_directory(path) as fd:
-            state = read_json(fd, TRAINER_STATE, _STATE_CAP, owner=os.fstat(fd).st_uid)
-            names = os.listdir(fd)
+        with open_shared_directory(path) as directory:
+            state = directory.read_json(TRAINER_STATE, _STATE_CAP)
+            names = directory.names()
     except OSError:
         return False
     if not (isinstance(state, dict) and isinstance(state.get("global_step"), int)):
@@ -127,13 +121,13 @@ def is_jit_placeholder(path: str) -> bool:
     nothing in it but its small ``checkpoint-is-incomplete.txt``. The commit replaces it (nothing in it
     is worth keeping), where a directory written without safeio would be moved aside."""
     try:
-        with held_directory(path) as fd:
-            if os.listdir(fd) != [JIT_SENTINEL]:
+        with open_shared_directory(path) as directory:
+            if directory.names() != [JIT_SENTINEL]:
                 return False
-            st = os.stat(JIT_SENTINEL, dir_fd=fd, follow_symlinks=False)
+            st = directory.lstat(JIT_SENTINEL)
     except OSError:
         return False
-    return stat.S_ISREG(st.st_mode) and st.st_size <= _SENTINEL_CAP
+    return st is not None and stat.S_ISREG(st.st_mode) and st.st_size <= _SENTINEL_CAP
 
 
 def _check_trainer(cls: type) -> None:
@@ -263,7 +257,7 @@ class CheckpointsTrainerMixin:
     def __init__(self, *args: Any, safeio_timeout: float | None = None, **kwargs: Any) -> None:
         _check_trainer(type(self))
         if safeio_timeout is not None:  # refused now, not at the first checkpoint hours into the run
-            seconds(safeio_timeout, "safeio_timeout")
+            check_timeout(safeio_timeout, "safeio_timeout")
         self.safeio_timeout = safeio_timeout
         super().__init__(*args, **kwargs)
 
@@ -303,14 +297,8 @@ class _RunView:
             link = os.path.join(path, folder)
             os.symlink(stage, link)
             view = cls(path, _mirror(run_dir, path, folder, mirrored))
-            covered = active.covering(stage)
-            redirect, results = (covered[0], covered[1].results) if covered is not None else (None, None)
-            entry = active.ActiveStage(link, stage, replicated=redirect, results=results)
-            active.push(entry)
-            try:
+            with stage_view(link, stage):
                 yield view
-            finally:
-                active.pop(entry)
         finally:
             shutil.rmtree(path, ignore_errors=True)
 
@@ -339,22 +327,13 @@ def _mirror(run_dir: str, view: str, folder: str, mirrored: Callable[[str], bool
 
 # -- patch_trainer: the same, for every Trainer of the process (SAFEIO_PATCH) --------------------------
 
-_MISSING = object()
-_patch_lock = threading.RLock()
-_installed: list[TrainerPatch] = []
-# What the patch replaced, to put back: (owner, attribute, its own value before or _MISSING, ours).
-_replaced: list[tuple[Any, str, Any, Any]] = []
 
-
-class TrainerPatch:
+class TrainerPatch(Patch):
     """Every ``transformers.Trainer`` (and subclass) of the process saves its ``checkpoint-N`` through
     ``safeio.Checkpoints`` and resumes (``train(resume_from_checkpoint=True)``) from the newest committed
     one, like ``CheckpointsTrainerMixin``; ``get_last_checkpoint`` of ``transformers.trainer_utils`` (and
     wherever it was imported by name) is safeio's. ``install()``/``uninstall()`` or a context manager;
-    installs are counted, the last uninstall restores exactly what was there."""
-
-    def __init__(self) -> None:
-        self.installed = False
+    installs are counted, the last uninstall restores exactly what was there (``safeio.frameworks.Patch``)."""
 
     def install(self, *, load: bool = True) -> TrainerPatch:
         """``load=False``: patch only the transformers modules imported so far (the start-up hook calls
@@ -362,35 +341,30 @@ class TrainerPatch:
         never uses it)."""
         if load:
             import transformers.trainer  # noqa: F401 - the module to patch
-        with _patch_lock:
-            if not self.installed:
-                _installed.append(self)
-                self.installed = True
-            try:
-                _sync()
-            except BaseException:  # an unsupported Trainer: nothing of this install stays
-                self.uninstall()
-                raise
-        return self
+        return super().install()
 
-    def uninstall(self) -> None:
-        with _patch_lock:
-            if self.installed:
-                _installed.remove(self)
-                self.installed = False
-                _sync()
-
-    @staticmethod
-    def refresh() -> None:
+    @classmethod
+    def refresh(cls) -> None:
         """Patch the transformers modules imported since the install (a no-op when none is installed)."""
-        with _patch_lock:
-            _sync()
+        cls.sync()
 
-    def __enter__(self) -> TrainerPatch:
-        return self.install()
-
-    def __exit__(self, *exc: object) -> None:
-        self.uninstall()
+    def apply(self) -> None:
+        trainer_module = sys.modules.get("transformers.trainer")
+        trainer = vars(trainer_module).get("Trainer") if trainer_module is not None else None
+        if isinstance(trainer, type) and not self.is_replaced(trainer, "_save_checkpoint"):
+            _check_trainer(trainer)
+            self.replace(
+                trainer, "_save_checkpoint", _patched_save_checkpoint(vars(trainer)["_save_checkpoint"])
+            )
+            self.replace(trainer, "train", _patched_train(vars(trainer)["train"]))
+        utils = sys.modules.get("transformers.trainer_utils")
+        theirs = vars(utils).get("get_last_checkpoint") if utils is not None else None
+        if theirs is not None and theirs is not get_last_checkpoint:
+            # Every module that imported it by name (transformers.trainer, a script's namespace).
+            for module in list(sys.modules.values()):
+                namespace = getattr(module, "__dict__", None)
+                if isinstance(namespace, dict) and namespace.get("get_last_checkpoint") is theirs:
+                    self.replace(module, "get_last_checkpoint", get_last_checkpoint)
 
 
 def patch_trainer() -> TrainerPatch:
@@ -398,42 +372,10 @@ def patch_trainer() -> TrainerPatch:
     return TrainerPatch()
 
 
-def _sync() -> None:
-    if not _installed:
-        while _replaced:
-            owner, name, before, ours = _replaced.pop()
-            if vars(owner).get(name) is ours:  # never undo what someone patched over ours
-                if before is _MISSING:
-                    delattr(owner, name)
-                else:
-                    setattr(owner, name, before)
-        return
-    done = {(id(owner), name) for owner, name, _, _ in _replaced}
-    trainer_module = sys.modules.get("transformers.trainer")
-    trainer = vars(trainer_module).get("Trainer") if trainer_module is not None else None
-    if isinstance(trainer, type) and (id(trainer), "_save_checkpoint") not in done:
-        _check_trainer(trainer)
-        _replace(trainer, "_save_checkpoint", _patched_save_checkpoint(vars(trainer)["_save_checkpoint"]))
-        _replace(trainer, "train", _patched_train(vars(trainer)["train"]))
-    utils = sys.modules.get("transformers.trainer_utils")
-    theirs = vars(utils).get("get_last_checkpoint") if utils is not None else None
-    if theirs is not None and theirs is not get_last_checkpoint:
-        # Every module that imported it by name (transformers.trainer, a script's namespace).
-        for module in list(sys.modules.values()):
-            namespace = getattr(module, "__dict__", None)
-            if isinstance(namespace, dict) and namespace.get("get_last_checkpoint") is theirs:
-                _replace(module, "get_last_checkpoint", get_last_checkpoint)
-
-
-def _replace(owner: Any, name: str, ours: Any) -> None:
-    _replaced.append((owner, name, vars(owner).get(name, _MISSING), ours))
-    setattr(owner, name, ours)
-
-
 def _patched_save_checkpoint(original: Any) -> Any:
     @functools.wraps(original)
     def _save_checkpoint(self: Any, model: Any, trial: Any) -> None:
-        if not _installed or isinstance(self, CheckpointsTrainerMixin):
+        if TrainerPatch.current() is None or isinstance(self, CheckpointsTrainerMixin):
             original(self, model, trial)  # the mixin already stages this save: once only
         else:
             _save_committed(self, model, trial, functools.partial(original, self))
@@ -444,7 +386,7 @@ def _patched_save_checkpoint(original: Any) -> Any:
 def _patched_train(original: Any) -> Any:
     @functools.wraps(original)
     def train(self: Any, *args: Any, **kwargs: Any) -> Any:
-        if not _installed or isinstance(self, CheckpointsTrainerMixin):
+        if TrainerPatch.current() is None or isinstance(self, CheckpointsTrainerMixin):
             return original(self, *args, **kwargs)
         if args and args[0] is True:
             args = (_resume_path(self), *args[1:])

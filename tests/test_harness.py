@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from safeio.testing._cleanup import remove_scratch
+from tests._deep_trees import make_chain
 from tests._stall import Hung, stall_alarm
 
 STALL = 1.5  # seconds; each case below runs well past it
@@ -50,21 +51,10 @@ def test_the_ceiling_ends_work_that_never_ends() -> None:
         _busy(600)
 
 
-def _deep_tree(top: Path, levels: int) -> None:
-    fd = os.open(top, os.O_RDONLY | os.O_DIRECTORY)
-    for _ in range(levels):
-        os.mkdir("d", dir_fd=fd)
-        child = os.open("d", os.O_RDONLY | os.O_DIRECTORY, dir_fd=fd)
-        os.close(fd)
-        fd = child
-    os.close(os.open("f", os.O_WRONLY | os.O_CREAT, 0o644, dir_fd=fd))
-    os.close(fd)
-
-
 def test_clean_up_removes_a_tree_past_the_recursion_limit_and_path_max(tmp_path: Path) -> None:
     deep = tmp_path / "deep"
     deep.mkdir()
-    _deep_tree(deep, 3000)  # what a failed hostile-share case leaves behind
+    make_chain(deep, 3000)  # what a failed hostile-share case leaves behind
     with pytest.raises(RecursionError):
         shutil.rmtree(deep, ignore_errors=True)  # the fixtures' clean-up before
     (deep / "locked").mkdir(mode=0)  # a directory a test made unusable

@@ -18,6 +18,7 @@ from safeio._promotion.leftovers import recover_directory
 from safeio._storage import manifest
 from safeio._storage.dirfd import HELD, held_directory, remove_directory_at, walk
 from safeio._storage.names import NAME_MAX, parse, process_start, sibling_name
+from tests._deep_trees import make_chain
 
 
 def save(target: Path, files: dict[str, str], **options: object) -> None:
@@ -424,21 +425,9 @@ def test_a_checkpoint_stage_another_thread_has_just_made_is_not_a_leftover(
 # ---- walks without recursion (issue 25, item 7) ---------------------------------------------------
 
 
-def _chain(top: Path, levels: int) -> None:
-    """``top/d/d/.../d/f``, made relative to a held descriptor (deeper than PATH_MAX allows by name)."""
-    top.mkdir()
-    fd = os.open(top, os.O_RDONLY | os.O_DIRECTORY)
-    for _ in range(levels):
-        os.mkdir("d", dir_fd=fd)
-        child = os.open("d", os.O_RDONLY | os.O_DIRECTORY, dir_fd=fd)
-        os.close(fd)
-        fd = child
-    os.close(os.open("f", os.O_WRONLY | os.O_CREAT, 0o644, dir_fd=fd))
-    os.close(fd)
-
-
 def test_a_walk_holds_a_bounded_number_of_descriptors_at_any_depth(tmp_path: Path) -> None:
-    _chain(tmp_path / "t", 3000)
+    (tmp_path / "t").mkdir()
+    make_chain(tmp_path / "t", 3000)
     before = len(os.listdir("/proc/self/fd"))
     most = seen = 0
     with held_directory(str(tmp_path)) as fd:
@@ -459,7 +448,8 @@ def test_a_walk_holds_a_bounded_number_of_descriptors_at_any_depth(tmp_path: Pat
 def test_a_directory_moved_while_it_is_walked_stops_the_walk(tmp_path: Path) -> None:
     """Ancestors past the held window are reopened through ``..``: if one was moved meanwhile, ``..`` is
     another directory, and the walk stops rather than go on there."""
-    _chain(tmp_path / "t", 200)
+    (tmp_path / "t").mkdir()
+    make_chain(tmp_path / "t", 200)
     with held_directory(str(tmp_path)) as fd:
         walking = walk(fd)
         for depth, _listing in enumerate(walking):

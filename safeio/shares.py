@@ -40,7 +40,7 @@ from safeio._promotion.recovery_records import Action
 from safeio._storage import digests
 from safeio._storage.dirfd import Listing, lstat_at, walk
 from safeio._storage.fsops import remove_tree
-from safeio._storage.lock_markers import Marker
+from safeio._storage.lock_markers import Marker as LockMarker
 from safeio._storage.lock_markers import read_marker as read_lock_marker
 from safeio._storage.lock_markers import remove_if_unchanged as remove_lock_marker_if_unchanged
 from safeio._storage.manifest import MANIFEST_NAME
@@ -63,7 +63,7 @@ __all__ = [
     "AuditReport",
     "LeftoverOwners",
     "Listing",
-    "Marker",
+    "LockMarker",
     "MountInfo",
     "Sibling",
     "StepNames",

@@ -34,6 +34,7 @@ from safeio.shares import (
     LOCK_SUFFIX,
     Action,
     LeftoverOwners,
+    LockMarker,
     lstat_at,
     parse_leftover,
     read_lock_marker,
@@ -249,6 +250,21 @@ def _collect_lock(
     if older_than is not None and age < older_than:
         report.keep(path, state, f"lock {age:.0f} s old, younger than --older-than")
         return
+    _remove_lock(report, path, dir_fd, name, marker, state=state, reason=reason, dry_run=dry_run)
+
+
+def _remove_lock(
+    report: Report,
+    path: str,
+    dir_fd: int,
+    name: str,
+    marker: LockMarker,
+    *,
+    state: State,
+    reason: str,
+    dry_run: bool,
+) -> None:
+    """Remove a judged lock marker (not with ``dry_run``) unless it changed hands meanwhile; report it."""
     done = not dry_run
     if not dry_run:
         done = remove_lock_marker_if_unchanged(dir_fd, name, marker)

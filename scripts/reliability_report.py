@@ -139,7 +139,11 @@ def render(figures: dict[str, dict[str, Any]]) -> str:
     if "rivals-unlocked" in figures:
         v = figures["rivals-unlocked"]
         faults.append(
-            ["same rivals, lock=False, rename-aside (baseline)", v["saves"], f"failed {v['failed']}"]
+            [
+                "same rivals, lock=False, rename-aside, NFS-like mount with 5 ms per operation (baseline)",
+                v["saves"],
+                f"failed {v['failed']}",
+            ]
         )
     if "stale-lease" in figures:
         v = figures["stale-lease"]

@@ -21,6 +21,7 @@ import safeio
 from safeio._coordination.calls import digest
 from safeio._coordination.channel import Channel
 from safeio.testing.ranks import run_ranks
+from tests._bounds import PATIENT, RUN
 
 DEEP = "[" * 100_000 + "]" * 100_000  # json.loads: RecursionError
 HUGE = json.dumps("x" * (5 << 20))  # over the 4 MiB a store value may be (TCPStore itself takes 8)
@@ -32,14 +33,14 @@ def _plant(key: str, value: str) -> None:
     code = (
         "import sys, torch.distributed as dist\n"
         "from datetime import timedelta\n"
-        "store = dist.TCPStore(sys.argv[1], int(sys.argv[2]), is_master=False, timeout=timedelta(seconds=30))\n"
+        "store = dist.TCPStore(sys.argv[1], int(sys.argv[2]), is_master=False, timeout=timedelta(seconds=600))\n"
         "store.set(sys.argv[3], sys.stdin.read())\n"
     )
     subprocess.run(
         [sys.executable, "-c", code, os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"], key],
         input=value.encode(),
         check=True,
-        timeout=60,
+        timeout=PATIENT,
     )
 
 
@@ -48,7 +49,7 @@ def _key(root: str, call: int, name: str) -> str:
     return f"default_pg/0//safeio/ckpt/{digest(root, 16)}/{call}/{name}"
 
 
-def _bounded_wait(store: Any, key: str, seconds: float = 60) -> None:
+def _bounded_wait(store: Any, key: str, seconds: float = PATIENT) -> None:
     # On the code before the writer never decided: go on, and fail the test by the outcome.
     with contextlib.suppress(Exception):
         store.wait([key], timedelta(seconds=seconds))
@@ -66,7 +67,7 @@ def _save_with_a_planted_value(rank: int, world: int, root: str, name: str, valu
         store.wait(["planted"])
     if rank == 0 and name == "announce":
         _bounded_wait(store, f"{call}/rank/1")  # rank 1 heard the planted announcement before rank 0's
-    ckpts = safeio.Checkpoints(root, timeout=30, durable=name == "fsync")
+    ckpts = safeio.Checkpoints(root, timeout=PATIENT, durable=name == "fsync")
     try:
         with ckpts.save(1) as ckpt:
             Path(ckpt.path, f"shard-{rank}").write_text(str(rank))
@@ -99,7 +100,7 @@ def test_a_malformed_store_value_of_a_checkpoint_is_an_error_naming_its_rank_on_
     value = (
         json.dumps({"ok": False, "failed": {"x": {}}, "missing": ["a"]}) if kind == "type" else VALUES[kind]
     )
-    results = run_ranks(_save_with_a_planted_value, 2, str(root), name, value, timeout=240)
+    results = run_ranks(_save_with_a_planted_value, 2, str(root), name, value, timeout=RUN)
     writer, peer = results[0].value, results[1].value
     assert writer["type"] == peer["type"] == "CheckpointError" or (name, writer["type"]) == (
         "outcome",
@@ -133,7 +134,7 @@ def _latest_with_a_planted_answer(rank: int, world: int, root: str, answer: str)
         store.wait(["planted"])
     out: dict[str, Any] = {"type": None}
     try:
-        out["found"] = safeio.Checkpoints(root, timeout=30).latest()
+        out["found"] = safeio.Checkpoints(root, timeout=PATIENT).latest()
     except safeio.SafeIOError as exc:
         out = {"type": type(exc).__name__, "error": str(exc), "writer": getattr(exc, "writer_rank", None)}
     if rank == 1:
@@ -151,7 +152,7 @@ def test_a_malformed_answer_to_latest_is_an_error_naming_the_writer(shared_dir: 
     '<root>/../../../etc')`` waited for; ValueError for the string."""
     root = shared_dir / "ckpts"
     root.mkdir()
-    results = run_ranks(_latest_with_a_planted_answer, 2, str(root), answer, timeout=240)
+    results = run_ranks(_latest_with_a_planted_answer, 2, str(root), answer, timeout=RUN)
     assert results[0].value == {"type": None, "found": None}  # the writer resolves for itself
     peer = results[1].value
     assert peer["type"] == "RemoteWriterError" and peer["writer"] == 0, peer

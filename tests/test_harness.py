@@ -63,3 +63,50 @@ def test_clean_up_removes_a_tree_past_the_recursion_limit_and_path_max(tmp_path:
     remove_scratch(deep)
     assert sorted(os.listdir(tmp_path)) == ["kept"]
     remove_scratch(tmp_path / "missing")  # nothing there: nothing to do
+
+
+def _rank_main_hung_at_first(*args: object) -> None:
+    """safeio.testing.ranks's rank entry, except that the first attempt's rank 1 never connects, as gloo's
+    ranks sat 14 minutes in Pair::waitUntilConnected beside 8 CPU burners (its rank 0 waits for it)."""
+    from safeio.testing import ranks
+
+    rank, env = args[1], args[5]
+    assert isinstance(env, dict)
+    marker = Path(env["HUNG_MARKER"])
+    if rank == 1 and not marker.exists():
+        marker.touch()
+        time.sleep(3600)  # killed by the harness; never returns
+    ranks._rank_main(*args)  # type: ignore[arg-type]
+
+
+def _count_call(rank: int, world: int, calls: str) -> int:
+    Path(calls, f"{rank}-{os.getpid()}").touch()
+    return rank
+
+
+@pytest.mark.parametrize("attempts", [1, 10])
+def test_ranks_hung_in_connecting_are_started_again(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capfd: pytest.CaptureFixture[str], attempts: int
+) -> None:
+    from safeio.testing import ranks
+
+    calls = tmp_path / "calls"
+    calls.mkdir()
+    monkeypatch.setattr(ranks, "_rank_main", _rank_main_hung_at_first)
+    # The bound is the group's own timeout (300 s) plus a grace; 15 s here, so that the test does not wait
+    # six minutes for the hang it planted. A later attempt slower than that under load is started again.
+    monkeypatch.setattr(ranks, "_CONNECT_GRACE", 15.0 - 300.0)
+    monkeypatch.setattr(ranks, "_CONNECT_ATTEMPTS", attempts)
+    env = {"HUNG_MARKER": str(tmp_path / "hung")}
+    results = ranks.run_ranks(_count_call, 2, str(calls), env=env, check=False)
+    assert (tmp_path / "hung").exists()
+    if attempts == 1:  # without starting again: the hang is the run's end, told as such
+        assert [str(r.error) for r in results] == [
+            f"rank {r} did not connect: 1 attempt(s) of 15 s each" for r in (0, 1)
+        ]
+        assert list(calls.iterdir()) == []
+    else:
+        assert [r.value for r in results] == [0, 1], ranks.describe(results)
+        assert "ranks still connecting after 15 s" in capfd.readouterr().err
+        # The hung attempt never called the function: each rank ran it once, in the attempt that connected.
+        assert sorted(name.split("-")[0] for name in os.listdir(calls)) == ["0", "1"]

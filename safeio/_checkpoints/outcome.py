@@ -7,7 +7,7 @@ import contextlib
 import logging
 from typing import Any
 
-from safeio._checkpoints.steps import StepPromotion
+from safeio._checkpoints.step_promotion import StepPromotion
 from safeio._coordination.calls import text
 from safeio._errors import CheckpointError
 from safeio._who import who

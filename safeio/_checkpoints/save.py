@@ -31,7 +31,8 @@ from typing import TYPE_CHECKING, Any
 from safeio._checkpoints.outcome import abandon, failure
 from safeio._checkpoints.peer import exit_peer, gave_up, join_stage
 from safeio._checkpoints.pending import PendingCommit, check_future, wait_for_future
-from safeio._checkpoints.steps import ExistingDirectory, StepPromotion
+from safeio._checkpoints.step_promotion import StepPromotion
+from safeio._checkpoints.steps import ExistingDirectory
 from safeio._coordination.calls import StoreGone
 from safeio._coordination.checkpoint_call import CheckpointCall
 from safeio._coordination.checkpoint_shares import FsyncShares, NestedResults

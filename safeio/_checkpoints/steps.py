@@ -2,13 +2,13 @@
 place holding them shares (``StepStorage``). One subclass per storage behaviour, registered for the
 root's back end (``storage``): ``LocalSteps`` (a stage directory and a rename, ``step_directories``) and
 ``ObjectSteps`` (in place under the step's prefix, committed by its marker, ``step_prefixes``). A commit
-is a promotion of the step's stage through ``Promotion.finish``, like any directory save; the checkpoint
-layer above says who commits and when.
+(``step_promotion``) is a promotion of the step's stage through its storage's ``Promotion.finish``, like
+any directory save, handed the step's behaviour (``StepRename``, ``StepMarker``) and its ``RootCommit``;
+the checkpoint layer above says who commits and when.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import os
 import re
@@ -16,17 +16,19 @@ import threading
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from safeio._errors import InvalidOptionError
 from safeio._options import SaveOptions
-from safeio._promotion.base import PhaseHook, Promoted, Promotion
+from safeio._promotion.base import PhaseHook
 from safeio._stalls import Cadence, seconds, thread_stack
 from safeio._storage.dirfd import is_component
-from safeio._storage.location import Location
 from safeio._storage.readers import TargetReader
 from safeio._threads import start_background
 from safeio._who import who
+
+if TYPE_CHECKING:  # the commit of a step is made by the storage, which step_promotion builds on
+    from safeio._checkpoints.step_promotion import StepPromotion
 
 logger = logging.getLogger("safeio")
 
@@ -78,7 +80,8 @@ class RootCommit(ABC):
     made: the step and its directory's name, the commit-point check, the next place in commit order
     (given under the root's lock, before the commit), and what follows the commit point (the pointer
     files, retention). The commit calls these and nothing else of the root: it never reaches into the
-    root's step storage, which made this object for it."""
+    root's step storage, which made this object for it. The checkpoint layer sets what it decides at the
+    commit (``commit_point``, ``fsyncs``, ``retire_also``); the commit records ``warnings``."""
 
     def __init__(self, step: int, name: str, protect: frozenset[str]) -> None:
         self.step = step
@@ -90,6 +93,9 @@ class RootCommit(ABC):
         # Called right before the commit point (the rename, the marker); it raises to commit nothing (a
         # rank gave up waiting: it was told the step is not committed).
         self.commit_point: Callable[[], None] | None = None
+        # A durable commit's fsyncs of the stage's files, shared out among the ranks (None: the writer's).
+        self.fsyncs: SharedFsyncs | None = None
+        self.warnings: list[str] = []  # what failed after the commit point (see Promoted.warnings)
 
     def passing_commit_point(self) -> None:
         if self.commit_point is not None:
@@ -116,37 +122,6 @@ class RootCommit(ABC):
 
     def committed(self, sequence: int) -> CommittedStep:
         return CommittedStep(self.step, self.name, sequence)
-
-
-class StepPromotion(Promotion):
-    """The commit of one step: ``open_stage`` on the writer before the body, ``finish_step`` once every
-    rank reported, ``discard`` when one failed. ``stage_name`` is what every rank writes under; ``root``
-    is what the commit needs from its root (``RootCommit``). The commit point is the step appearing under
-    its name (a rename; an object store's marker): a failure before it commits nothing; after it (the
-    ``latest`` pointer, retention) is a warning in ``Promoted.warnings``."""
-
-    stage_name: str
-    # Whether the commit syncs the stage's files (a durable commit on a POSIX filesystem), so that the
-    # ranks can share the work out (``finish_step``'s ``fsyncs``).
-    shares_fsyncs = False
-
-    def __init__(self, location: Location, options: SaveOptions, *, root: RootCommit, **save: Any) -> None:
-        super().__init__(location, options, marker={"step": root.step}, **save)
-        self.root = root
-        self.warnings: list[str] = []  # what failed after the commit point (see Promoted.warnings)
-
-    def finish_step(
-        self,
-        stage: str,
-        fsyncs: SharedFsyncs | None = None,
-        *,
-        commit_point: Callable[[], None] | None = None,
-    ) -> Promoted:
-        """Commit ``stage``; where the commit syncs files, ``fsyncs`` shares them out among the ranks;
-        ``commit_point()`` is called right before the commit point and may raise to commit nothing."""
-        self.root.commit_point = commit_point
-        promoted = self.finish(stage)
-        return dataclasses.replace(promoted, warnings=tuple(self.warnings))
 
 
 @dataclass(frozen=True)

@@ -1,42 +1,29 @@
-"""The writer's side of one save: the flow every storage behaviour shares.
+"""The writer's side of one save, as its callers see it: ``open_stage``, ``finish``, ``discard``.
 
-``Promotion`` owns the order of the steps and the phases peers see (like filelock's ``BaseFileLock``
-owning ``acquire``); each behaviour fills in four hooks for its storage:
+    open_stage()                  check the target, create the private stage
+    finish(stage, result=...)     describe, sync, lock and promote the stage (phases "manifest",
+                                  "fsync", "lock", "promote", "cleanup" as peers see them)
+    discard(stage)                after a failure: the target is untouched
 
-    open_stage()                       check the target, create the private stage
-    finish(stage, result=...):
-      phase "manifest"  _prepare          permissions, what goes in the manifest, the files checked;
-                                          phase "fsync" where it makes the stage durable
-      phase "promote"   _promote_unlocked a promotion that needs no lock (a fresh target), if it can
-      phase "lock"      _locked           the promotion lock (none on object stores)
-      phase "promote"   _promote          the behaviour itself (rename, exchange, merge, link swap,
-                                          upload, a step's commit), and making it durable
-    discard(stage)                     after a failure: the target is untouched
-
-``finish`` returns what peers need to recognise the promoted version (``Promoted``). On POSIX one
-class, ``LocalPromotion``, fills them in, and the storage behaviour (exchange, rename aside, merge,
-versioned) is an object it is handed (``local.Behaviour``: ``commit`` and ``recover``); on object stores
-``CommitMarker``. Both are picked by the target's back end (``safeio._promotion.backends``), never by an
-``if`` in this flow.
+Each kind of place has one promotion, whose ``finish`` is one function reading top to bottom, and is
+handed the storage behaviour as an object: on POSIX ``LocalPromotion`` (``local``) with a
+``Behaviour`` (``behaviour``: exchange, rename aside, merge, versioned, a checkpoint step's rename); on
+object stores ``ObjectPromotion`` (``object_store``) with an ``ObjectBehaviour`` (a commit marker, a
+checkpoint step's marker). Both are picked by the target's back end (``safeio._promotion.backends``, or
+the checkpoint layer's steps), never by an ``if`` in the flow. This module holds what both share.
 """
 
 from __future__ import annotations
 
-import contextlib
-import logging
 import time
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
-from safeio._boundary import mapped
 from safeio._options import SaveOptions
 from safeio._storage import manifest
 from safeio._storage.location import Location
-from safeio._who import who
-
-logger = logging.getLogger("safeio")
 
 PhaseHook = Callable[[str], None]
 # Called with the stage's files (relative names) before anything is promoted: the replicated layer
@@ -80,61 +67,31 @@ class Promotion(ABC):
         self.marker: dict[str, Any] = dict(marker or {})
         self._on_phase = on_phase
         self._check_files = check_files
+        # What the writer's ranks write under (the step's own prefix on an object store; set by
+        # ``open_stage`` where the stage is a directory beside the target).
+        self.stage_name = ""
         self._started = time.monotonic()  # peers' waits began about now (see lock_timeout)
         self._result: Any = None  # the body's result (JSON form), recorded in the manifest
         self.version: list[int] | None = None  # the promoted manifest's ``manifest.version_of``, if local
         self.replaced: list[int] | None = None  # the same of the version it replaced (None: none)
 
-    # -- the flow ----------------------------------------------------------------------------------
-
     @abstractmethod
     def open_stage(self) -> str:
         """Check the target and create the writer's private stage; return its local path."""
 
+    @abstractmethod
     def finish(self, stage: str, *, result: Any = None) -> Promoted:
         """Describe, sync, lock and promote ``stage``; on return the target is the new version.
         ``result`` (the body's, JSON form) is recorded in the manifest for peers without a store."""
-        self._result = result
-        target = self.location.url()
-        with mapped(f"could not promote {target}", target):
-            self.phase("manifest")  # describing the stage reads (and, if durable, hashes) every file
-            entries = self._prepare(stage)
-            if not self._promote_unlocked(stage, entries):
-                self.phase("lock")
-                with self._locked():
-                    self.phase("promote")
-                    self._promote(stage, entries)
-        logger.debug("%s: promoted %s (mode %s)", who(self.rank), target, self.options.mode)
-        return Promoted(self.version, self.replaced)
 
     @abstractmethod
     def discard(self, stage: str) -> None:
         """Remove ``stage`` after a failure (the target is untouched)."""
 
-    # -- hooks -------------------------------------------------------------------------------------
-
-    @abstractmethod
-    def _prepare(self, stage: str) -> dict[str, dict[str, Any]]:
-        """Check the stage, make it durable where asked, and return the manifest entries of its files
-        (none when the manifest is off)."""
-
-    def _promote_unlocked(self, stage: str, entries: dict[str, dict[str, Any]]) -> bool:
-        """Promote without the lock where that is safe (True), else leave it to the locked way (False)."""
-        return False
-
-    @contextlib.contextmanager
-    def _locked(self) -> Iterator[None]:
-        """Hold the promotion lock for the block (none by default)."""
-        yield
-
-    @abstractmethod
-    def _promote(self, stage: str, entries: dict[str, dict[str, Any]]) -> None:
-        """Make ``stage`` the target (under the lock, where there is one), durably when asked."""
-
     # -- shared by behaviours ----------------------------------------------------------------------
 
     def check_staged(self, names: Iterable[str]) -> None:
-        """Hand the stage's files to ``check_files`` (behaviours call it from ``_prepare``)."""
+        """Hand the stage's files to ``check_files`` once they are described."""
         if self._check_files is not None:
             self._check_files(list(names))
 

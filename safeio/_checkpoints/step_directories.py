@@ -22,12 +22,12 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 from safeio._boundary import os_failure
-from safeio._checkpoints.step_promotion import StepPromotion
 from safeio._checkpoints.step_rename import StepRename, adopt_existing, nothing_to_recover
 from safeio._checkpoints.steps import (
     CommittedStep,
     ExistingDirectory,
     RootCommit,
+    StepCommit,
     StepNames,
     StepStorage,
 )
@@ -107,7 +107,7 @@ class LocalSteps(StepStorage):
         protect: Iterable[str] = (),
         existing: ExistingDirectory | None = None,
         on_phase: PhaseHook | None = None,
-    ) -> StepPromotion:
+    ) -> StepCommit:
         existing = existing or ExistingDirectory()
         final_name = self.names.format(step)
         final = self.url(final_name)
@@ -137,11 +137,11 @@ class LocalSteps(StepStorage):
             on_phase=on_phase,
             marker={"step": step},
         )
-        return StepPromotion(
+        return StepCommit(
             promotion,
             root,
             shares_fsyncs=self.options.durable,
-            before_finish=(lambda: adopt_existing(promotion, root)) if existing.adopt else None,
+            adopt=(lambda: adopt_existing(promotion, root)) if existing.adopt else None,
         )
 
     def _judge_existing(

@@ -28,11 +28,11 @@ from collections.abc import Iterable
 from typing import Any
 
 from safeio._boundary import mapped
-from safeio._checkpoints.step_promotion import StepPromotion
 from safeio._checkpoints.steps import (
     CommittedStep,
     ExistingDirectory,
     RootCommit,
+    StepCommit,
     StepNames,
     StepStorage,
 )
@@ -205,7 +205,7 @@ class ObjectSteps(StepStorage):
         protect: Iterable[str] = (),
         existing: ExistingDirectory | None = None,
         on_phase: PhaseHook | None = None,
-    ) -> StepPromotion:
+    ) -> StepCommit:
         # ``existing`` is not used: objects written without safeio under the step's prefix are refused
         # (moving them aside on an object store is a copy and a delete of each, not one rename).
         del existing
@@ -220,7 +220,7 @@ class ObjectSteps(StepStorage):
             on_phase=on_phase,
             marker={"step": step},
         )
-        return StepPromotion(promotion, root)
+        return StepCommit(promotion, root)
 
     def _has(self, name: str) -> bool:
         try:

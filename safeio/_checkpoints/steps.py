@@ -2,7 +2,7 @@
 place holding them shares (``StepStorage``). One subclass per storage behaviour, registered for the
 root's back end (``storage``): ``LocalSteps`` (a stage directory and a rename, ``step_directories``) and
 ``ObjectSteps`` (in place under the step's prefix, committed by its marker, ``step_prefixes``). A commit
-(``step_promotion``) is a promotion of the step's stage through its storage's ``Promotion.finish``, like
+(``StepCommit``) is a promotion of the step's stage through its storage's ``Promotion.finish``, like
 any directory save, handed the step's behaviour (``StepRename``, ``StepMarker``) and its ``RootCommit``;
 the checkpoint layer above says who commits and when.
 """
@@ -16,19 +16,16 @@ import threading
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol
+from typing import Protocol
 
 from safeio._errors import InvalidOptionError
 from safeio._options import SaveOptions
-from safeio._promotion.base import PhaseHook
+from safeio._promotion.base import PhaseHook, Promotion
 from safeio._stalls import Cadence, seconds, thread_stack
 from safeio._storage.dirfd import is_component
 from safeio._storage.readers import TargetReader
 from safeio._threads import start_background
 from safeio._who import who
-
-if TYPE_CHECKING:  # the commit of a step is made by the storage, which step_promotion builds on
-    from safeio._checkpoints.step_promotion import StepPromotion
 
 logger = logging.getLogger("safeio")
 
@@ -95,7 +92,9 @@ class RootCommit(ABC):
         self.commit_point: Callable[[], None] | None = None
         # A durable commit's fsyncs of the stage's files, shared out among the ranks (None: the writer's).
         self.fsyncs: SharedFsyncs | None = None
-        self.warnings: list[str] = []  # what failed after the commit point (see Promoted.warnings)
+        # What failed after the commit point without undoing it (the pointer, retention): the step is
+        # committed; these say what to repair, and every rank hears them.
+        self.warnings: list[str] = []
 
     def passing_commit_point(self) -> None:
         if self.commit_point is not None:
@@ -122,6 +121,26 @@ class RootCommit(ABC):
 
     def committed(self, sequence: int) -> CommittedStep:
         return CommittedStep(self.step, self.name, sequence)
+
+
+@dataclass(frozen=True)
+class StepCommit:
+    """The commit of one step, as ``CheckpointSave`` drives it: ``promotion.open_stage()`` on the writer
+    before the body; once every rank reported, ``root`` told what the checkpoint layer decides
+    (``commit_point``, ``fsyncs``, ``retire_also``), ``adopt()`` if given, then ``promotion.finish``;
+    ``promotion.discard`` when a rank failed. ``promotion`` is the storage's flow handed the step's
+    behaviour (``LocalPromotion`` with ``StepRename``, ``ObjectPromotion`` with ``StepMarker``). The
+    commit point is the step appearing under its name (a rename; an object store's marker): a failure
+    before it commits nothing; after it (the ``latest`` pointer, retention) is a warning in
+    ``root.warnings``."""
+
+    promotion: Promotion
+    root: RootCommit
+    # Whether the commit syncs the stage's files (a durable commit on a POSIX filesystem), so that the
+    # ranks can share the work out (``root.fsyncs``).
+    shares_fsyncs: bool = False
+    # ``ExistingDirectory.adopt`` (POSIX): the directory the script saves into, carried into the stage.
+    adopt: Callable[[], None] | None = None
 
 
 @dataclass(frozen=True)
@@ -225,7 +244,7 @@ class StepStorage(ABC):
         protect: Iterable[str] = (),
         existing: ExistingDirectory | None = None,
         on_phase: PhaseHook | None = None,
-    ) -> StepPromotion:
+    ) -> StepCommit:
         """The writer: the commit of ``step`` (its stage is made by ``open_stage``); retention after it
         never removes a step named in ``protect``. ``existing``: what to do with a directory written
         without safeio at the step's name (``Checkpoints.save``); a kind of place that cannot do it

@@ -10,19 +10,18 @@ handed the storage behaviour as an object: on POSIX ``LocalPromotion`` (``local`
 ``Behaviour`` (``behaviour``: exchange, rename aside, merge, versioned, a checkpoint step's rename); on
 object stores ``ObjectPromotion`` (``object_store``) with an ``ObjectBehaviour`` (a commit marker, a
 checkpoint step's marker). Both are picked by the target's back end (``safeio._promotion.backends``, or
-the checkpoint layer's steps), never by an ``if`` in the flow. This module holds what both share.
+the checkpoint layer's steps), never by an ``if`` in the flow. This module is the interface they
+share.
 """
 
 from __future__ import annotations
 
-import time
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 from safeio._options import SaveOptions
-from safeio._storage import manifest
 from safeio._storage.location import Location
 
 PhaseHook = Callable[[str], None]
@@ -39,41 +38,24 @@ class Promoted:
 
     version: list[int] | None = None
     replaced: list[int] | None = None
-    # What failed after the commit point without undoing it (a checkpoint's pointer, its retention): the
-    # target is promoted; these say what to repair.
-    warnings: tuple[str, ...] = ()
 
 
 class Promotion(ABC):
-    """One writer-side save of ``location`` with ``options``."""
+    """One writer-side save of ``location`` with ``options``, as its callers use it. Each flow
+    (``LocalPromotion``, ``ObjectPromotion``) sets these in its own constructor: no code of this module
+    runs on a save's path."""
 
-    def __init__(
-        self,
-        location: Location,
-        options: SaveOptions,
-        *,
-        rank: int,
-        call_id: str,
-        on_phase: PhaseHook | None = None,
-        check_files: FilesCheck | None = None,
-        marker: dict[str, Any] | None = None,
-    ) -> None:
-        self.location = location
-        self.options = options
-        self.rank = rank
-        self.call_id = call_id
-        # Fields the caller records in the manifest besides the files (a checkpoint's step, and its
-        # place in commit order once given under the root's lock): data, which this flow only writes.
-        self.marker: dict[str, Any] = dict(marker or {})
-        self._on_phase = on_phase
-        self._check_files = check_files
-        # What the writer's ranks write under (the step's own prefix on an object store; set by
-        # ``open_stage`` where the stage is a directory beside the target).
-        self.stage_name = ""
-        self._started = time.monotonic()  # peers' waits began about now (see lock_timeout)
-        self._result: Any = None  # the body's result (JSON form), recorded in the manifest
-        self.version: list[int] | None = None  # the promoted manifest's ``manifest.version_of``, if local
-        self.replaced: list[int] | None = None  # the same of the version it replaced (None: none)
+    location: Location
+    options: SaveOptions
+    # What the writer's ranks write under (the stage directory beside the target, set by ``open_stage``;
+    # an object store's step prefix).
+    stage_name: str
+    # Told each phase of the commit ("manifest", "fsync", "lock", "promote", "cleanup"; a checkpoint's
+    # "pointer", "retention"): the caller's hook itself, so that a phase reaches peers in one call.
+    phase: PhaseHook
+    # Fields recorded in the manifest besides the files (a checkpoint's step, and its place in commit
+    # order once given under the root's lock): data, which the flow only writes.
+    marker: dict[str, Any]
 
     @abstractmethod
     def open_stage(self) -> str:
@@ -88,35 +70,7 @@ class Promotion(ABC):
     def discard(self, stage: str) -> None:
         """Remove ``stage`` after a failure (the target is untouched)."""
 
-    # -- shared by behaviours ----------------------------------------------------------------------
 
-    def check_staged(self, names: Iterable[str]) -> None:
-        """Hand the stage's files to ``check_files`` once they are described."""
-        if self._check_files is not None:
-            self._check_files(list(names))
-
-    def phase(self, name: str) -> None:
-        if self._on_phase is not None:
-            self._on_phase(name)
-
-    def lock_timeout(self) -> float:
-        """What is left of ``timeout`` for the lock, minus a margin to publish the outcome.
-
-        Peers wait ``timeout`` from about when this save began; a writer that waited the full
-        ``timeout`` for a rival's lock after its body would report LockTimeout after every peer had
-        given up with a PeerTimeout that hides why (seen with 8 ranks and a rival holding the lock).
-        """
-        timeout = self.options.timeout
-        margin = min(1.0, 0.05 * timeout)
-        return max(0.01, timeout - (time.monotonic() - self._started) - margin)
-
-    def manifest_record(
-        self, entries: dict[str, dict[str, Any]], previous: dict[str, Any] | None
-    ) -> dict[str, Any]:
-        """The manifest of this save; with ``previous`` (merge) the other objects' entries are kept; the
-        ``marker`` fields (a checkpoint's step and sequence) are recorded in it."""
-        record = manifest.build(
-            entries, rank=self.rank, call=self.call_id, previous=previous, result=self._result
-        )
-        record.update(self.marker)
-        return record
+def no_phase(name: str) -> None:
+    """The phase hook of a save nobody watches."""
+    del name

@@ -20,16 +20,17 @@ import errno
 import logging
 import os
 import stat
+import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
 from safeio._boundary import NOT_A_DIRECTORY, mapped, os_failure
 from safeio._errors import InvalidTargetError, PromotionError
 from safeio._options import SaveOptions
-from safeio._promotion.base import Promoted, Promotion
+from safeio._promotion.base import FilesCheck, PhaseHook, Promoted, Promotion, no_phase
 from safeio._promotion.behaviour import Behaviour
 from safeio._storage import claims, manifest
-from safeio._storage.dirfd import held_directory, identity, lstat_at, open_directory
+from safeio._storage.dirfd import held_directory, identity, lstat_at, open_directory, still_is
 from safeio._storage.fsops import remove_at
 from safeio._storage.location import Location
 from safeio._storage.locking import held, lock_path_for, make_lock
@@ -60,11 +61,23 @@ class LocalPromotion(Promotion):
         location: Location,
         options: SaveOptions,
         *,
+        rank: int,
+        call_id: str,
         recover: Recovery,
         behaviour: Behaviour,
-        **save: Any,
+        on_phase: PhaseHook | None = None,
+        check_files: FilesCheck | None = None,
+        marker: dict[str, Any] | None = None,
     ) -> None:
-        super().__init__(location, options, **save)  # rank, call_id, on_phase
+        self.location, self.options = location, options
+        self.rank, self.call_id = rank, call_id
+        self.phase = on_phase or no_phase
+        self.marker = dict(marker or {})
+        self._check_files = check_files
+        self._started = time.monotonic()  # peers' waits began about now (see lock_timeout)
+        self._result: Any = None  # the body's result (JSON form), recorded in the manifest
+        self.version: list[int] | None = None  # the promoted manifest's ``manifest.version_of``
+        self.replaced: list[int] | None = None  # the same of the version it replaced (None: none)
         self._recover = recover
         self.behaviour = behaviour
         # Asked for at every step: read once (a Location is immutable).
@@ -150,8 +163,7 @@ class LocalPromotion(Promotion):
 
     def check_stage(self) -> None:
         """The stage is still the directory this process made (not renamed away or swapped for a link)."""
-        st = lstat_at(self.parent_fd, self.stage_name)
-        if st is None or identity(st) != self._stage_id:
+        if not still_is(self.parent_fd, self.stage_name, self._stage_id):
             raise PromotionError(
                 f"the stage {os.path.join(self.parent, self.stage_name)} of {self.target} was moved or "
                 "replaced by someone else while the save ran; nothing was promoted and nothing it now "
@@ -163,8 +175,7 @@ class LocalPromotion(Promotion):
         """After a promoting rename: whether what now stands at ``name`` is the stage this process made.
         The last ``check_stage`` ran before the rename, which goes by name: in a share others can write,
         the stage may have been swapped in that window (a poller did it in 92 of 109 saves)."""
-        st = lstat_at(self.parent_fd, name)
-        return st is not None and identity(st) == self._stage_id
+        return still_is(self.parent_fd, name, self._stage_id)
 
     def swapped_stage_error(self) -> PromotionError:
         return PromotionError(
@@ -189,10 +200,9 @@ class LocalPromotion(Promotion):
             self.close()
             return
         try:
-            if self.parent_fd >= 0 and self.stage_name:
-                st = lstat_at(self.parent_fd, self.stage_name)
-                if st is not None and identity(st) == self._stage_id:
-                    remove_at(self.parent_fd, self.stage_name, what="failed stage", shown=stage)
+            made = self.parent_fd >= 0 and self.stage_name
+            if made and still_is(self.parent_fd, self.stage_name, self._stage_id):
+                remove_at(self.parent_fd, self.stage_name, what="failed stage", shown=stage)
         finally:
             self.close()
 
@@ -245,7 +255,8 @@ class LocalPromotion(Promotion):
             sync_files=in_walk,
             sync_dirs=durable,
         )
-        self.check_staged(self.contents.content)
+        if self._check_files is not None:
+            self._check_files(list(self.contents.content))
         if durable and not in_walk:
             behaviour.sync_files(self)
         return self.contents.entries
@@ -318,7 +329,7 @@ class LocalPromotion(Promotion):
         lock = make_lock(
             lock_path_for(self.parent, self.behaviour.lock_name or self.name),
             self.options.lock,
-            self.lock_timeout(),
+            self._lock_timeout(),
             self.options.lease_seconds,
             parent_fd=self.parent_fd,
             # A checkpoint's root directory itself is locked (a flock on it, locally): no lock file is
@@ -327,6 +338,17 @@ class LocalPromotion(Promotion):
         )
         with held(lock, self.target, self.rank):
             yield
+
+    def _lock_timeout(self) -> float:
+        """What is left of ``timeout`` for the lock, minus a margin to publish the outcome.
+
+        Peers wait ``timeout`` from about when this save began; a writer that waited the full
+        ``timeout`` for a rival's lock after its body would report LockTimeout after every peer had
+        given up with a PeerTimeout that hides why (seen with 8 ranks and a rival holding the lock).
+        """
+        timeout = self.options.timeout
+        margin = min(1.0, 0.05 * timeout)
+        return max(0.01, timeout - (time.monotonic() - self._started) - margin)
 
     def _current_version(self) -> list[int] | None:
         """``manifest.version_of`` the target's manifest now (through a version link), if it has one."""
@@ -364,7 +386,9 @@ class LocalPromotion(Promotion):
                 old.reason,
             )
             old = None
-        record = self.manifest_record(entries, old)
+        record = manifest.build(
+            entries, rank=self.rank, call=self.call_id, previous=old, result=self._result, marker=self.marker
+        )
         if intent is not None:
             record[manifest.MERGE_INTENT_KEY] = intent
         self.version = manifest.write(self.stage_fd, record, durable=self.options.durable)

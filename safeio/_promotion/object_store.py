@@ -17,7 +17,8 @@ from typing import Any
 
 from safeio._boundary import mapped
 from safeio._options import SaveOptions
-from safeio._promotion.base import Promoted, Promotion
+from safeio._promotion.base import FilesCheck, PhaseHook, Promoted, Promotion, no_phase
+from safeio._storage import manifest
 from safeio._storage.location import Location
 from safeio._who import who
 
@@ -48,10 +49,38 @@ class ObjectPromotion(Promotion):
     """One writer-side save of ``location`` on an object store, committed by ``behaviour``."""
 
     def __init__(
-        self, location: Location, options: SaveOptions, *, behaviour: ObjectBehaviour, **save: Any
+        self,
+        location: Location,
+        options: SaveOptions,
+        *,
+        rank: int,
+        call_id: str,
+        behaviour: ObjectBehaviour,
+        on_phase: PhaseHook | None = None,
+        check_files: FilesCheck | None = None,
+        marker: dict[str, Any] | None = None,
     ) -> None:
-        super().__init__(location, options, **save)  # rank, call_id, on_phase, check_files, marker
+        self.location, self.options = location, options
+        self.rank, self.call_id = rank, call_id
         self.behaviour = behaviour
+        self.phase = on_phase or no_phase
+        self.marker = dict(marker or {})
+        self.stage_name = ""
+        self._check_files = check_files
+        self._result: Any = None  # the body's result (JSON form), recorded in the manifest
+
+    def manifest_record(
+        self, entries: dict[str, dict[str, Any]], previous: dict[str, Any] | None
+    ) -> dict[str, Any]:
+        """The manifest of this save; with ``previous`` (merge) the other objects' entries are kept."""
+        return manifest.build(
+            entries,
+            rank=self.rank,
+            call=self.call_id,
+            previous=previous,
+            result=self._result,
+            marker=self.marker,
+        )
 
     @property
     def fs(self) -> Any:
@@ -72,12 +101,13 @@ class ObjectPromotion(Promotion):
         with mapped(f"could not promote {target}", target):
             self.phase("manifest")
             entries = self.behaviour.describe(self, stage)
-            self.check_staged(entries)
+            if self._check_files is not None:
+                self._check_files(list(entries))
             self.phase("lock")  # none on object stores; the phase is the one peers hear on POSIX too
             self.phase("promote")
             self.behaviour.commit(self, stage, entries)
         logger.debug("%s: promoted %s (mode %s)", who(self.rank), target, self.options.mode)
-        return Promoted(self.version, self.replaced)
+        return Promoted()  # no version a peer could stat: it reads the marker
 
     def discard(self, stage: str) -> None:
         self.behaviour.discard(self, stage)

@@ -42,17 +42,14 @@ class Promoted:
 
 class Promotion(ABC):
     """One writer-side save of ``location`` with ``options``, as its callers use it. Each flow
-    (``LocalPromotion``, ``ObjectPromotion``) sets these in its own constructor: no code of this module
-    runs on a save's path."""
+    (``LocalPromotion``, ``ObjectPromotion``) sets these in its own constructor and has its own methods:
+    no code of this module runs on a save's path."""
 
     location: Location
     options: SaveOptions
     # What the writer's ranks write under (the stage directory beside the target, set by ``open_stage``;
     # an object store's step prefix).
     stage_name: str
-    # Told each phase of the commit ("manifest", "fsync", "lock", "promote", "cleanup"; a checkpoint's
-    # "pointer", "retention"): the caller's hook itself, so that a phase reaches peers in one call.
-    phase: PhaseHook
     # Fields recorded in the manifest besides the files (a checkpoint's step, and its place in commit
     # order once given under the root's lock): data, which the flow only writes.
     marker: dict[str, Any]
@@ -70,7 +67,8 @@ class Promotion(ABC):
     def discard(self, stage: str) -> None:
         """Remove ``stage`` after a failure (the target is untouched)."""
 
-
-def no_phase(name: str) -> None:
-    """The phase hook of a save nobody watches."""
-    del name
+    @abstractmethod
+    def phase(self, name: str) -> None:
+        """Tell the caller's hook (peers, the watchdog) each phase of the commit: "manifest", "fsync",
+        "lock", "promote", "cleanup"; a checkpoint's "pointer", "retention". Each flow's own method, so
+        that a phase reaches peers without passing through this module."""

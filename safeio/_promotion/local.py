@@ -27,7 +27,7 @@ from typing import Any
 from safeio._boundary import NOT_A_DIRECTORY, mapped, os_failure
 from safeio._errors import InvalidTargetError, PromotionError
 from safeio._options import SaveOptions
-from safeio._promotion.base import FilesCheck, PhaseHook, Promoted, Promotion, no_phase
+from safeio._promotion.base import FilesCheck, PhaseHook, Promoted, Promotion
 from safeio._promotion.behaviour import Behaviour
 from safeio._storage import claims, manifest
 from safeio._storage.dirfd import held_directory, identity, lstat_at, open_directory, still_is
@@ -43,7 +43,7 @@ from safeio._who import who
 
 logger = logging.getLogger("safeio")
 
-# A fresh target's rename found something in its place (see _promote_unlocked).
+# A fresh target's rename found something in its place (see _promote_fresh).
 _TAKEN = frozenset({errno.EEXIST, errno.ENOTEMPTY, errno.ENOTDIR, errno.EISDIR})
 
 # recover(parent, parent_fd, target_name, durable, own_stage): puts right what dead writers of the target
@@ -71,10 +71,10 @@ class LocalPromotion(Promotion):
     ) -> None:
         self.location, self.options = location, options
         self.rank, self.call_id = rank, call_id
-        self.phase = on_phase or no_phase
+        self._on_phase = on_phase
         self.marker = dict(marker or {})
         self._check_files = check_files
-        self._started = time.monotonic()  # peers' waits began about now (see lock_timeout)
+        self._started = time.monotonic()  # peers' waits began about now (see _lock_timeout)
         self._result: Any = None  # the body's result (JSON form), recorded in the manifest
         self.version: list[int] | None = None  # the promoted manifest's ``manifest.version_of``
         self.replaced: list[int] | None = None  # the same of the version it replaced (None: none)
@@ -94,6 +94,10 @@ class LocalPromotion(Promotion):
         # syncs it; a merge into an existing target changes only the target's.
         self.parent_changed = True
         self.committed = False  # whether the stage became the target (the commit point passed)
+
+    def phase(self, name: str) -> None:
+        if self._on_phase is not None:
+            self._on_phase(name)
 
     # -- the target --------------------------------------------------------------------------------
 

@@ -17,7 +17,7 @@ from typing import Any
 
 from safeio._boundary import mapped
 from safeio._options import SaveOptions
-from safeio._promotion.base import FilesCheck, PhaseHook, Promoted, Promotion, no_phase
+from safeio._promotion.base import FilesCheck, PhaseHook, Promoted, Promotion
 from safeio._storage import manifest
 from safeio._storage.location import Location
 from safeio._who import who
@@ -63,7 +63,7 @@ class ObjectPromotion(Promotion):
         self.location, self.options = location, options
         self.rank, self.call_id = rank, call_id
         self.behaviour = behaviour
-        self.phase = on_phase or no_phase
+        self._on_phase = on_phase
         self.marker = dict(marker or {})
         self.stage_name = ""
         self._check_files = check_files
@@ -89,6 +89,10 @@ class ObjectPromotion(Promotion):
     @property
     def prefix(self) -> str:
         return self.location.path
+
+    def phase(self, name: str) -> None:
+        if self._on_phase is not None:
+            self._on_phase(name)
 
     def open_stage(self) -> str:
         return self.behaviour.open_stage(self)

@@ -402,7 +402,7 @@ def test_a_checkpoint_stage_another_thread_has_just_made_is_not_a_leftover(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The same for whole checkpoints: every save of a step first recovers the root's leftovers."""
-    from safeio._checkpoints.step_directories import StepRename
+    from safeio._promotion.local import LocalPromotion
 
     root = tmp_path / "ckpts"
 
@@ -410,7 +410,7 @@ def test_a_checkpoint_stage_another_thread_has_just_made_is_not_a_leftover(
         with safeio.Checkpoints(root, keep=None, timeout=60).save(step) as ckpt:
             Path(ckpt.path, "weights.bin").write_bytes(bytes([step]) * 10)
 
-    made, go = _pause_after(monkeypatch, StepRename, "open_stage")
+    made, go = _pause_after(monkeypatch, LocalPromotion, "open_stage")
     thread, errors = _in_thread(lambda: save_step(1))
     try:
         assert made.wait(60)

@@ -69,12 +69,12 @@ def _child(target: str, version: int, mode: str, no_exchange: bool, kill_at_op: 
     in_forked_child()
     if no_exchange:
         os.environ["SAFEIO_NO_EXCHANGE"] = "1"
-    from safeio._promotion import base, exchange
+    from safeio._promotion import exchange, local
 
     events: list[str] = []
     promoting = [False]
     ops = [0]
-    original_phase = base.Promotion.phase
+    original_phase = local.LocalPromotion.phase
 
     def phase(self: Any, name: str) -> None:
         events.append(f"{name}={time.monotonic():.6f}")
@@ -92,7 +92,7 @@ def _child(target: str, version: int, mode: str, no_exchange: bool, kill_at_op: 
 
         return call
 
-    base.Promotion.phase = phase  # type: ignore[method-assign]  # forked child: patched for good
+    local.LocalPromotion.phase = phase  # type: ignore[method-assign]  # forked child: patched for good
     for name in _MUTATING:
         setattr(os, name, counted(getattr(os, name)))
     exchange.renameat2 = counted(exchange.renameat2)  # type: ignore[attr-defined]

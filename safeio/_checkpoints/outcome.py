@@ -7,7 +7,7 @@ import contextlib
 import logging
 from typing import Any
 
-from safeio._checkpoints.steps import StepPromotion
+from safeio._checkpoints.steps import StepCommit
 from safeio._coordination.calls import text
 from safeio._errors import CheckpointError
 from safeio._who import who
@@ -15,11 +15,11 @@ from safeio._who import who
 logger = logging.getLogger("safeio")
 
 
-def abandon(promotion: StepPromotion) -> None:
+def abandon(commit: StepCommit) -> None:
     """Nothing is committed: the stage goes, best effort (the previous checkpoints and ``latest`` stay;
     what is left is the next save's recovery or ``safeio gc``'s)."""
     with contextlib.suppress(OSError):
-        promotion.discard("")
+        commit.promotion.discard("")
 
 
 def outcome_problem(outcome: dict[str, Any]) -> str | None:

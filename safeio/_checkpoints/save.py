@@ -31,14 +31,13 @@ from typing import TYPE_CHECKING, Any
 from safeio._checkpoints.outcome import abandon, failure
 from safeio._checkpoints.peer import exit_peer, gave_up, join_stage
 from safeio._checkpoints.pending import PendingCommit, check_future, wait_for_future
-from safeio._checkpoints.steps import ExistingDirectory, StepPromotion
+from safeio._checkpoints.steps import ExistingDirectory, StepCommit
 from safeio._coordination.calls import StoreGone
 from safeio._coordination.checkpoint_call import CheckpointCall
 from safeio._coordination.checkpoint_shares import FsyncShares, NestedResults
 from safeio._coordination.checkpoint_status import (
     ASYNC_SAVE,
     BODY,
-    COMMIT_PHASES,
     DONE,
     REPORT,
     STAGE,
@@ -110,7 +109,7 @@ class CheckpointSave:
         self.stage_name = ""
         self.warnings: list[str] = []  # what failed after the commit point (see CheckpointStage.warnings)
         self._future: Any = None
-        self._promotion: StepPromotion | None = None
+        self._commit: StepCommit | None = None
         self._stage = ""
         self._scratch: str | None = None
         self._entry: active.ActiveStage | None = None
@@ -167,20 +166,20 @@ class CheckpointSave:
         deadline = time.monotonic() + self.timeout
         if group.is_writer:
             try:
-                self._promotion = self.ckpts._steps.promotion(
+                self._commit = self.ckpts._steps.promotion(
                     self.step,
                     rank=group.rank,
                     protect=self.protect,
                     existing=self.existing,
-                    on_phase=lambda phase: self.call.status.enter(COMMIT_PHASES.get(phase, phase)),
+                    on_phase=call.status.enter_commit_phase,  # the same status after on_group
                 )
-                self._stage = self._promotion.open_stage()
-                self.stage_name = self._promotion.stage_name
+                self._stage = self._commit.promotion.open_stage()
+                self.stage_name = self._commit.promotion.stage_name
             except BaseException as exc:
                 call.announce({"ok": False, "error": f"{type(exc).__name__}: {exc}"})
                 raise
             # Whether every rank syncs a share of the stage's files before the commit (durable, POSIX).
-            self._syncs = self._promotion.shares_fsyncs and call.shared
+            self._syncs = self._commit.shares_fsyncs and call.shared
             call.announce({"ok": True, "stage": self.stage_name, "sync": self._syncs})
             return
         try:
@@ -264,8 +263,8 @@ class CheckpointSave:
         """Collect, commit, decide. Whatever raises before the decision (a rank's malformed value, a
         failed commit, an interrupt), the stage is abandoned and every rank is told: no rank waits for an
         outcome that will never come."""
-        promotion = self._promotion
-        assert promotion is not None, "the writer opened the stage"
+        commit = self._commit
+        assert commit is not None, "the writer opened the stage"
         rank = self.group.rank
         if exc is not None:
             self._not_committed({rank: f"{type(exc).__name__}: {exc}"}, [])
@@ -276,13 +275,15 @@ class CheckpointSave:
             if not (failed or missing):
                 self.call.check_gave_up()  # before the commit's work: a rank that gave up is told "not"
                 # The stage the writer's replicated files are in: the shared one, or scratch (uploaded).
-                shares = FsyncShares(self.call, self.timeout) if self._syncs else None
-                promotion.root.retire_also.update(self.retire_names)
-                promoted = promotion.finish_step(
-                    self._scratch or self._stage, shares, commit_point=self.call.commit_point
-                )
+                root = commit.root
+                root.fsyncs = FsyncShares(self.call, self.timeout) if self._syncs else None
+                root.commit_point = self.call.commit_point  # it may raise: nothing is committed
+                root.retire_also.update(self.retire_names)
+                if commit.adopt is not None:
+                    commit.adopt()
+                commit.promotion.finish(self._scratch or self._stage)
         except CollectiveMismatch:
-            abandon(promotion)  # every rank of the call has heard it from the rank that found it
+            abandon(commit)  # every rank of the call has heard it from the rank that found it
             raise
         except CheckpointError as ranks_failed:
             if not (ranks_failed.failed or ranks_failed.missing):
@@ -295,15 +296,16 @@ class CheckpointSave:
         if failed or missing:
             raise failure(self._not_committed(failed, missing), rank, self.step, self.final)
         # Committed: what failed after the commit point is a warning every rank hears, never a failure.
-        self.call.decide({"ok": True, "path": self.final, "warnings": list(promoted.warnings)})
-        self.warnings = list(promoted.warnings)  # its own: no need to check them as heard ones are
+        warnings = commit.root.warnings
+        self.call.decide({"ok": True, "path": self.final, "warnings": list(warnings)})
+        self.warnings = list(warnings)  # its own: no need to check them as heard ones are
         for warning in self.warnings:
             logger.warning("%s: %s", who(rank), warning)
 
     def _not_committed(self, failed: dict[int, str], missing: list[int]) -> dict[str, Any]:
         """The writer: the stage goes and every rank hears that nothing was committed, and why."""
-        assert self._promotion is not None
-        abandon(self._promotion)
+        assert self._commit is not None
+        abandon(self._commit)
         outcome: dict[str, Any] = {
             "ok": False,
             "failed": {str(r): e for r, e in failed.items()},

@@ -1,7 +1,8 @@
 """The steps of a checkpoint root on a POSIX filesystem (local disk, NFS): ``LocalSteps`` reads them
-(names, markers, the pointer files) and makes each commit, a ``StepRename`` (``step_rename``) handed a
-``LocalRootCommit``: what the commit needs from the root (the next sequence number under the root's
-lock, then ``latest`` and retention), so that the commit never reaches back into ``LocalSteps``.
+(names, markers, the pointer files) and makes each commit: a ``LocalPromotion`` handed a ``StepRename``
+(``step_rename``) as its behaviour, which is handed a ``LocalRootCommit``: what the commit needs from the
+root (the next sequence number under the root's lock, then ``latest`` and retention), so that the commit
+never reaches back into ``LocalSteps``.
 
 Before a save's body, what stands at the step's name is judged: this user's commit of the step is
 replaced by the commit; a directory written without safeio is moved aside (by the framework's own
@@ -21,19 +22,20 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 from safeio._boundary import os_failure
-from safeio._checkpoints.step_rename import StepRename
+from safeio._checkpoints.step_rename import StepRename, adopt_existing, nothing_to_recover
 from safeio._checkpoints.steps import (
     CommittedStep,
     ExistingDirectory,
     RootCommit,
+    StepCommit,
     StepNames,
-    StepPromotion,
     StepStorage,
 )
 from safeio._errors import InvalidTargetError, SafeIOError, TargetExistsError
 from safeio._promotion.atomic_file import AtomicFile
 from safeio._promotion.base import PhaseHook
 from safeio._promotion.leftovers import recover_directory
+from safeio._promotion.local import LocalPromotion
 from safeio._storage import claims
 from safeio._storage.dirfd import held_directory, is_component, lstat_at
 from safeio._storage.fsops import remove_at
@@ -105,7 +107,7 @@ class LocalSteps(StepStorage):
         protect: Iterable[str] = (),
         existing: ExistingDirectory | None = None,
         on_phase: PhaseHook | None = None,
-    ) -> StepPromotion:
+    ) -> StepCommit:
         existing = existing or ExistingDirectory()
         final_name = self.names.format(step)
         final = self.url(final_name)
@@ -125,14 +127,21 @@ class LocalSteps(StepStorage):
                 f"cannot open the stage of step {step} under {self.root}", self.root, exc
             ) from exc
         root = LocalRootCommit(self, step, final_name, frozenset(protect), existing)
-        return StepRename(
+        promotion = LocalPromotion(
             Location(final, final),
-            options=self.options,
+            self.options,
             rank=rank,
             call_id=f"checkpoint/{step}",
-            root=root,
-            adopt=existing.adopt,
+            recover=nothing_to_recover,
+            behaviour=StepRename(root),
             on_phase=on_phase,
+            marker={"step": step},
+        )
+        return StepCommit(
+            promotion,
+            root,
+            shares_fsyncs=self.options.durable,
+            adopt=(lambda: adopt_existing(promotion, root)) if existing.adopt else None,
         )
 
     def _judge_existing(

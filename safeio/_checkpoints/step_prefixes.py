@@ -4,9 +4,10 @@ by its marker, then ``latest``.
 There is no rename on an object store, and no need for one: a PUT replaces an object whole and a
 listing shows only whole objects. So every rank writes its part straight under the step's prefix
 (``dcp.save`` to ``s3://bucket/run/step_5``); the writer's replicated files (tokenizer, trainer state)
-are written to node-local scratch in the body and uploaded at the commit. The commit (``StepMarker``'s
-``finish``, the promotion flow of any save) lists the prefix, writes the manifest of every object last —
-the commit marker — and then the ``latest`` pointer object. A step without its marker is never a
+are written to node-local scratch in the body and uploaded at the commit. The commit
+(``ObjectPromotion.finish``, the promotion flow of any save on an object store, handed ``StepMarker`` as
+its behaviour) lists the prefix, writes the manifest of every object last — the commit marker — and then
+the ``latest`` pointer object. A step without its marker is never a
 checkpoint: ``latest()`` ignores it.
 
 An in-progress object (``.safeio-in-progress``) written first says the prefix is this layer's own work:
@@ -31,12 +32,13 @@ from safeio._checkpoints.steps import (
     CommittedStep,
     ExistingDirectory,
     RootCommit,
+    StepCommit,
     StepNames,
-    StepPromotion,
     StepStorage,
 )
 from safeio._errors import InvalidTargetError, TargetExistsError
 from safeio._promotion.base import PhaseHook
+from safeio._promotion.object_store import ObjectBehaviour, ObjectPromotion
 from safeio._storage import manifest
 from safeio._storage.dirfd import held_directory
 from safeio._storage.fsops import discard_tree
@@ -50,26 +52,17 @@ logger = logging.getLogger("safeio")
 IN_PROGRESS = ".safeio-in-progress"
 
 
-class StepMarker(StepPromotion):
-    """One step's commit on an object store. Its ``stage`` is the writer's local scratch (replicated
-    files, uploaded at the commit); every rank's sharded files are under the prefix already."""
+class StepMarker(ObjectBehaviour):
+    """One step's commit on an object store, the behaviour its ``ObjectPromotion`` is handed. Its
+    ``stage`` is the writer's local scratch (replicated files, uploaded at the commit); every rank's
+    sharded files are under the prefix already."""
 
-    root: ObjectRootCommit
+    def __init__(self, root: ObjectRootCommit) -> None:
+        self.root = root
 
-    def __init__(self, location: Location, *, root: ObjectRootCommit, **save: Any) -> None:
-        super().__init__(location, root=root, **save)
-        self.stage_name = location.name  # written in place: the step's own prefix is its stage
-
-    @property
-    def fs(self) -> Any:
-        return self.location.fs
-
-    @property
-    def prefix(self) -> str:
-        return self.location.path
-
-    def open_stage(self) -> str:
-        url = self.location.url()
+    def open_stage(self, p: ObjectPromotion) -> str:
+        p.stage_name = p.location.name  # written in place: the step's own prefix is its stage
+        url = p.location.url()
         step = self.root.step
         with mapped(f"cannot open the stage of step {step} under {self.root.root_url}", url):
             objects = self.root.objects()
@@ -97,35 +90,36 @@ class StepMarker(StepPromotion):
                     step,
                     url,
                 )
-                self.fs.rm(self.prefix, recursive=True)
+                p.fs.rm(p.prefix, recursive=True)
             owner = {"host": os.uname().nodename, "pid": os.getpid(), "time": time.time()}
-            self.fs.pipe_file(f"{self.prefix}/{IN_PROGRESS}", json.dumps(owner).encode())
+            p.fs.pipe_file(f"{p.prefix}/{IN_PROGRESS}", json.dumps(owner).encode())
         return url
 
-    def _prepare(self, stage: str) -> dict[str, dict[str, Any]]:
+    def describe(self, p: ObjectPromotion, stage: str) -> dict[str, dict[str, Any]]:
         if stage:  # the writer's replicated files, from its scratch
             with held_directory(stage) as fd:  # this rank's own scratch on node-local disk
                 files = manifest.describe_files(fd, hashes=False)
             for rel in files:
-                self.fs.put_file(os.path.join(stage, *rel.split("/")), f"{self.prefix}/{rel}")
+                p.fs.put_file(os.path.join(stage, *rel.split("/")), f"{p.prefix}/{rel}")
         objects = self.root.objects()
         objects.pop(IN_PROGRESS, None)
         if manifest.MANIFEST_NAME in objects:
-            url = self.location.url()
+            url = p.location.url()
             raise TargetExistsError(f"step {self.root.step} got a commit marker meanwhile at {url}", url)
         return {rel: {"size": size} for rel, size in sorted(objects.items())}
 
-    def _promote(self, stage: str, entries: dict[str, dict[str, Any]]) -> None:
-        sequence = self.marker["sequence"] = self.root.next_sequence()
-        record = self.manifest_record(entries, None)
-        self.root.passing_commit_point()
-        self.fs.pipe_file(f"{self.prefix}/{manifest.MANIFEST_NAME}", manifest.dumps(record))  # the commit
-        self.warnings.extend(self.root.after_commit(sequence, self.phase))
+    def commit(self, p: ObjectPromotion, stage: str, entries: dict[str, dict[str, Any]]) -> None:
+        root = self.root
+        sequence = p.marker["sequence"] = root.next_sequence()
+        record = p.manifest_record(entries, None)
+        root.passing_commit_point()
+        p.fs.pipe_file(f"{p.prefix}/{manifest.MANIFEST_NAME}", manifest.dumps(record))  # the commit
+        root.warnings.extend(root.after_commit(sequence, p.phase))
 
-    def discard(self, stage: str) -> None:
+    def discard(self, p: ObjectPromotion, stage: str) -> None:
         # Without its marker it is never a checkpoint; if this fails, the next save of the step removes it.
         with contextlib.suppress(OSError, ValueError):
-            self.fs.rm(self.prefix, recursive=True)
+            p.fs.rm(p.prefix, recursive=True)
         if stage:
             discard_tree(stage)
 
@@ -211,19 +205,22 @@ class ObjectSteps(StepStorage):
         protect: Iterable[str] = (),
         existing: ExistingDirectory | None = None,
         on_phase: PhaseHook | None = None,
-    ) -> StepPromotion:
+    ) -> StepCommit:
         # ``existing`` is not used: objects written without safeio under the step's prefix are refused
         # (moving them aside on an object store is a copy and a delete of each, not one rename).
         del existing
         name = self.names.format(step)
-        return StepMarker(
+        root = ObjectRootCommit(self, step, name, frozenset(protect))
+        promotion = ObjectPromotion(
             self._location(name),
-            root=ObjectRootCommit(self, step, name, frozenset(protect)),
-            options=self.options,
+            self.options,
             rank=rank,
             call_id=f"checkpoint/{step}",
+            behaviour=StepMarker(root),
             on_phase=on_phase,
+            marker={"step": step},
         )
+        return StepCommit(promotion, root)
 
     def _has(self, name: str) -> bool:
         try:

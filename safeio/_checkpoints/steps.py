@@ -2,13 +2,13 @@
 place holding them shares (``StepStorage``). One subclass per storage behaviour, registered for the
 root's back end (``storage``): ``LocalSteps`` (a stage directory and a rename, ``step_directories``) and
 ``ObjectSteps`` (in place under the step's prefix, committed by its marker, ``step_prefixes``). A commit
-is a promotion of the step's stage through ``Promotion.finish``, like any directory save; the checkpoint
-layer above says who commits and when.
+(``StepCommit``) is a promotion of the step's stage through its storage's ``Promotion.finish``, like
+any directory save, handed the step's behaviour (``StepRename``, ``StepMarker``) and its ``RootCommit``;
+the checkpoint layer above says who commits and when.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import os
 import re
@@ -16,14 +16,13 @@ import threading
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Protocol
 
 from safeio._errors import InvalidOptionError
 from safeio._options import SaveOptions
-from safeio._promotion.base import PhaseHook, Promoted, Promotion
+from safeio._promotion.base import PhaseHook, Promotion
 from safeio._stalls import Cadence, seconds, thread_stack
 from safeio._storage.dirfd import is_component
-from safeio._storage.location import Location
 from safeio._storage.readers import TargetReader
 from safeio._threads import start_background
 from safeio._who import who
@@ -78,7 +77,8 @@ class RootCommit(ABC):
     made: the step and its directory's name, the commit-point check, the next place in commit order
     (given under the root's lock, before the commit), and what follows the commit point (the pointer
     files, retention). The commit calls these and nothing else of the root: it never reaches into the
-    root's step storage, which made this object for it."""
+    root's step storage, which made this object for it. The checkpoint layer sets what it decides at the
+    commit (``commit_point``, ``fsyncs``, ``retire_also``); the commit records ``warnings``."""
 
     def __init__(self, step: int, name: str, protect: frozenset[str]) -> None:
         self.step = step
@@ -90,6 +90,11 @@ class RootCommit(ABC):
         # Called right before the commit point (the rename, the marker); it raises to commit nothing (a
         # rank gave up waiting: it was told the step is not committed).
         self.commit_point: Callable[[], None] | None = None
+        # A durable commit's fsyncs of the stage's files, shared out among the ranks (None: the writer's).
+        self.fsyncs: SharedFsyncs | None = None
+        # What failed after the commit point without undoing it (the pointer, retention): the step is
+        # committed; these say what to repair, and every rank hears them.
+        self.warnings: list[str] = []
 
     def passing_commit_point(self) -> None:
         if self.commit_point is not None:
@@ -118,35 +123,24 @@ class RootCommit(ABC):
         return CommittedStep(self.step, self.name, sequence)
 
 
-class StepPromotion(Promotion):
-    """The commit of one step: ``open_stage`` on the writer before the body, ``finish_step`` once every
-    rank reported, ``discard`` when one failed. ``stage_name`` is what every rank writes under; ``root``
-    is what the commit needs from its root (``RootCommit``). The commit point is the step appearing under
-    its name (a rename; an object store's marker): a failure before it commits nothing; after it (the
-    ``latest`` pointer, retention) is a warning in ``Promoted.warnings``."""
+@dataclass(frozen=True)
+class StepCommit:
+    """The commit of one step, as ``CheckpointSave`` drives it: ``promotion.open_stage()`` on the writer
+    before the body; once every rank reported, ``root`` told what the checkpoint layer decides
+    (``commit_point``, ``fsyncs``, ``retire_also``), ``adopt()`` if given, then ``promotion.finish``;
+    ``promotion.discard`` when a rank failed. ``promotion`` is the storage's flow handed the step's
+    behaviour (``LocalPromotion`` with ``StepRename``, ``ObjectPromotion`` with ``StepMarker``). The
+    commit point is the step appearing under its name (a rename; an object store's marker): a failure
+    before it commits nothing; after it (the ``latest`` pointer, retention) is a warning in
+    ``root.warnings``."""
 
-    stage_name: str
+    promotion: Promotion
+    root: RootCommit
     # Whether the commit syncs the stage's files (a durable commit on a POSIX filesystem), so that the
-    # ranks can share the work out (``finish_step``'s ``fsyncs``).
-    shares_fsyncs = False
-
-    def __init__(self, location: Location, options: SaveOptions, *, root: RootCommit, **save: Any) -> None:
-        super().__init__(location, options, marker={"step": root.step}, **save)
-        self.root = root
-        self.warnings: list[str] = []  # what failed after the commit point (see Promoted.warnings)
-
-    def finish_step(
-        self,
-        stage: str,
-        fsyncs: SharedFsyncs | None = None,
-        *,
-        commit_point: Callable[[], None] | None = None,
-    ) -> Promoted:
-        """Commit ``stage``; where the commit syncs files, ``fsyncs`` shares them out among the ranks;
-        ``commit_point()`` is called right before the commit point and may raise to commit nothing."""
-        self.root.commit_point = commit_point
-        promoted = self.finish(stage)
-        return dataclasses.replace(promoted, warnings=tuple(self.warnings))
+    # ranks can share the work out (``root.fsyncs``).
+    shares_fsyncs: bool = False
+    # ``ExistingDirectory.adopt`` (POSIX): the directory the script saves into, carried into the stage.
+    adopt: Callable[[], None] | None = None
 
 
 @dataclass(frozen=True)
@@ -250,7 +244,7 @@ class StepStorage(ABC):
         protect: Iterable[str] = (),
         existing: ExistingDirectory | None = None,
         on_phase: PhaseHook | None = None,
-    ) -> StepPromotion:
+    ) -> StepCommit:
         """The writer: the commit of ``step`` (its stage is made by ``open_stage``); retention after it
         never removes a step named in ``protect``. ``existing``: what to do with a directory written
         without safeio at the step's name (``Checkpoints.save``); a kind of place that cannot do it

@@ -85,18 +85,20 @@ class StoreCall:
         self.group = group
         self.prefix = prefix
         self.path = path  # the target or root the call is about, for errors
+        # Whether there are peers to hear this call through a store (else the filesystem is all). An
+        # attribute (a Group never changes): every phase a rank publishes asks it.
+        self.shared = group.world_size > 1 and group.store is not None
 
     def on_group(self, group: Group) -> StoreCall:
         """The same call through another connection to the store (a background thread's)."""
         return StoreCall(group, self.prefix, self.path)
 
-    @property
-    def shared(self) -> bool:
-        """Whether there are peers to hear this call through a store (else the filesystem is all)."""
-        return self.group.world_size > 1 and self.group.store is not None
-
     def key(self, name: str = "") -> str:
         return f"{self.prefix}/{name}" if name else self.prefix
+
+    def parse(self, name: str, raw: bytes) -> Any:
+        """``raw``, the value heard for ``name``, parsed (``parse_value``: MalformedValue if it is not)."""
+        return parse_value(raw, self.key(name))
 
     def set(self, name: str, value: str | bytes) -> None:
         store = self.group.store

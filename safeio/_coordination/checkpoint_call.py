@@ -31,7 +31,6 @@ from safeio._coordination.calls import (
     StoreCall,
     digest,
     next_number,
-    parse_value,
     text,
 )
 from safeio._coordination.checkpoint_status import RankStatus, Status, advice, read_status
@@ -92,6 +91,7 @@ class CheckpointCall:
         self.announced_fsyncs = announced_fsyncs
         self.handed_out = False
         self._call = call
+        self.shared = call.shared  # whether peers hear the call through a store
 
     @classmethod
     def enter(
@@ -139,10 +139,6 @@ class CheckpointCall:
             announced_fsyncs=self.announced_fsyncs,
         )
 
-    @property
-    def shared(self) -> bool:
-        return self._call.shared
-
     def _set(self, name: str, value: Any) -> None:
         self._call.set(name, json.dumps(value))
 
@@ -156,7 +152,7 @@ class CheckpointCall:
         if raw is None:
             return  # the store cannot tell (gone: rank 0 finished); the call's waits fall back as before
         try:
-            first = parse_value(raw, self._call.key("call"))
+            first = self._call.parse("call", raw)
         except MalformedValue as exc:
             raise self._diverged({rank: self.what}, f"the record of this call is malformed ({exc})") from None
         if isinstance(first, dict) and first.get("what") == self.what:
@@ -180,7 +176,7 @@ class CheckpointCall:
     def _parse(self, raw: bytes, name: str) -> Any:
         """A value of this call as JSON; MalformedValue if it is not; CollectiveMismatch if a rank found
         that the ranks' calls differ."""
-        value = parse_value(raw, self._call.key(name))
+        value = self._call.parse(name, raw)
         if isinstance(value, dict) and "diverged" in value:
             raise mismatch_error(value["diverged"], rank=self.group.rank, root=self.root, number=self.number)
         return value
@@ -278,7 +274,7 @@ class CheckpointCall:
         if raw is None:
             return "unknown"  # only the filesystem will tell (latest())
         try:
-            verdict = parse_value(raw, self._call.key("verdict"))
+            verdict = self._call.parse("verdict", raw)
         except MalformedValue:
             verdict = None
         committing = isinstance(verdict, dict) and "commit" in verdict
@@ -304,7 +300,7 @@ class CheckpointCall:
 
     def _refuse_commit(self, raw: bytes) -> None:
         try:
-            verdict = parse_value(raw, self._call.key("verdict"))
+            verdict = self._call.parse("verdict", raw)
         except MalformedValue as exc:
             verdict = {"abandon": None, "reason": f"a malformed verdict in the store ({exc})"}
         if isinstance(verdict, dict) and verdict.get("commit") == self.group.rank:

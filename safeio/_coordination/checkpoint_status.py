@@ -107,6 +107,10 @@ class RankStatus:
         self.phase, self.phase_since = phase, time.time()
         self.publish()
 
+    def enter_commit_phase(self, phase: str) -> None:
+        """A phase of the commit's promotion flow (its hook), under the name a checkpoint's rank tells."""
+        self.enter(COMMIT_PHASES.get(phase, phase))
+
     @contextlib.contextmanager
     def waiting_on(self, rank: int) -> Iterator[None]:
         """For the block, this rank waits for ``rank``: the watchdog stays quiet (the waiting lines name

@@ -31,7 +31,7 @@ class RenameAside(Behaviour):
     def commit(self, p: LocalPromotion, stage: str, entries: dict[str, dict[str, Any]]) -> None:
         p.write_manifest(entries, None)
         p.seal_stage()
-        p.before_rename()  # a step replaced (a rollback): the swap is its commit point
+        p.behaviour.commit_point()  # a step replaced (a rollback): the swap is its commit point
         self.swap(p)
 
     def swap(self, p: LocalPromotion) -> None:
@@ -50,7 +50,7 @@ class RenameAside(Behaviour):
             if p.options.durable:
                 os.fsync(fd)
                 p.parent_changed = False  # synced here; removing the old version need not last
-            p.remove_old_version(aside)
+            p.behaviour.old_version(p, aside)
 
     @staticmethod
     def recover(leftover: Leftover, target_name: str | None, *, dry_run: bool, durable: bool) -> Action:

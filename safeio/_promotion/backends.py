@@ -10,8 +10,10 @@ which parses a path or URL) is the only place that branches on the kind of locat
 
 | location | back end | directories | steps |
 | --- | --- | --- | --- |
-| a local path (NFS, Lustre, FUSE too) | ``PosixBackend`` | by mode, below | ``LocalSteps`` |
+| a local path (NFS, Lustre, FUSE too) | ``PosixBackend`` | ``LocalPromotion``, by mode | ``LocalSteps`` |
 | any other fsspec URL (``s3://``...) | ``ObjectStoreBackend`` | ``CommitMarker`` | ``ObjectSteps`` |
+
+Each promotion (``LocalPromotion``, ``ObjectPromotion``) is one flow handed its behaviour as an object.
 
 On POSIX, the behaviour by mode (orbax's mode-to-class map):
 
@@ -47,6 +49,7 @@ from safeio._promotion.exchange import ExchangeRename
 from safeio._promotion.leftovers import recover_target
 from safeio._promotion.local import LocalPromotion
 from safeio._promotion.merge import Merge
+from safeio._promotion.object_store import ObjectPromotion
 from safeio._promotion.versioned import Versioned
 from safeio._storage.claims import claimed
 from safeio._storage.dirfd import held_directory, is_component, lstat_at
@@ -214,8 +217,14 @@ class ObjectStoreBackend(Backend):
         on_phase: PhaseHook | None = None,
         check_files: FilesCheck | None = None,
     ) -> Promotion:
-        return CommitMarker(
-            self.location, options, rank=rank, call_id=call_id, on_phase=on_phase, check_files=check_files
+        return ObjectPromotion(
+            self.location,
+            options,
+            rank=rank,
+            call_id=call_id,
+            behaviour=CommitMarker(),
+            on_phase=on_phase,
+            check_files=check_files,
         )
 
     def file_promotion(

@@ -1,4 +1,5 @@
-"""Object stores (any fsspec filesystem that is not local): promotion under a commit marker.
+"""Object stores (any fsspec filesystem that is not local): a directory save committed by its marker
+(``CommitMarker``, the behaviour ``ObjectPromotion`` is handed for a directory save).
 
 There is no rename to lean on, but there is no ``O_TRUNC`` either: a PUT replaces an object whole. The
 stage is a private directory on node-local disk; promotion takes the old commit marker down (so the
@@ -18,7 +19,7 @@ from typing import Any
 
 from safeio._boundary import mapped
 from safeio._errors import InvalidTargetError, TargetExistsError
-from safeio._promotion.base import Promotion
+from safeio._promotion.object_store import ObjectBehaviour, ObjectPromotion
 from safeio._storage import manifest
 from safeio._storage.dirfd import held_directory
 from safeio._storage.fsops import discard_tree
@@ -28,61 +29,55 @@ from safeio._who import who
 logger = logging.getLogger("safeio")
 
 
-class CommitMarker(Promotion):
-    @property
-    def fs(self) -> Any:
-        return self.location.fs
+class CommitMarker(ObjectBehaviour):
+    """A directory save: staged on node-local disk, uploaded under the prefix at the commit."""
 
-    @property
-    def prefix(self) -> str:
-        return self.location.path
-
-    def open_stage(self) -> str:
-        url = self.location.url()
-        if self.options.mode == "versioned":
+    def open_stage(self, p: ObjectPromotion) -> str:
+        url = p.location.url()
+        if p.options.mode == "versioned":
             raise InvalidTargetError(
                 f"mode='versioned' needs symlinks; object store targets such as {url} are "
                 "made atomic by their commit marker instead (use mode='replace')",
                 url,
             )
         with mapped(f"cannot reach {url}", url):
-            if self.fs.isfile(self.prefix):
+            if p.fs.isfile(p.prefix):
                 raise InvalidTargetError(f"target {url} exists and is an object, not a prefix", url)
-            exists = self.fs.exists(self.prefix)
-        if self.options.mode == "error" and exists:
+            exists = p.fs.exists(p.prefix)
+        if p.options.mode == "error" and exists:
             raise TargetExistsError(f"target {url} already exists and mode='error'", url)
         return tempfile.mkdtemp(prefix="safeio-upload-")
 
-    def discard(self, stage: str) -> None:
+    def discard(self, p: ObjectPromotion, stage: str) -> None:
         discard_tree(stage)
 
-    def _prepare(self, stage: str) -> dict[str, dict[str, Any]]:
+    def describe(self, p: ObjectPromotion, stage: str) -> dict[str, dict[str, Any]]:
         # The manifest is the commit marker: always written, whatever the manifest option says.
         with held_directory(stage) as stage_fd:  # our own private directory on node-local disk
-            entries = manifest.describe_files(stage_fd, hashes=self.options.durable)
-        self.check_staged(entries)
-        return entries
+            return manifest.describe_files(stage_fd, hashes=p.options.durable)
 
-    def _promote(self, stage: str, entries: dict[str, dict[str, Any]]) -> None:
+    def commit(self, p: ObjectPromotion, stage: str, entries: dict[str, dict[str, Any]]) -> None:
+        fs, prefix = p.fs, p.prefix
         try:
-            previous = ObjectStoreReader(self.location).manifest()
-            record = self.manifest_record(entries, previous if self.options.mode == "merge" else None)
-            marker = f"{self.prefix}/{manifest.MANIFEST_NAME}"
+            previous = ObjectStoreReader(p.location).manifest()
+            record = p.manifest_record(entries, previous if p.options.mode == "merge" else None)
+            marker = f"{prefix}/{manifest.MANIFEST_NAME}"
             if previous is not None:
-                self.fs.rm_file(marker)  # the prefix is incomplete from here until the new marker lands
+                fs.rm_file(marker)  # the prefix is incomplete from here until the new marker lands
             for rel in entries:
-                self.fs.put_file(os.path.join(stage, *rel.split("/")), f"{self.prefix}/{rel}")
-            self.fs.pipe_file(marker, manifest.dumps(record))
-            if self.options.mode != "merge":
-                self.phase("cleanup")
-                self._delete_unlisted(record)
+                fs.put_file(os.path.join(stage, *rel.split("/")), f"{prefix}/{rel}")
+            fs.pipe_file(marker, manifest.dumps(record))
+            if p.options.mode != "merge":
+                p.phase("cleanup")
+                _delete_unlisted(fs, prefix, record)
         finally:
             discard_tree(stage)
-        logger.debug("%s: committed %s (%d files)", who(self.rank), self.location.url(), len(entries))
+        logger.debug("%s: committed %s (%d files)", who(p.rank), p.location.url(), len(entries))
 
-    def _delete_unlisted(self, record: dict[str, Any]) -> None:
-        keep = {f"{self.prefix}/{rel}" for rel in record["files"]}
-        keep.add(f"{self.prefix}/{manifest.MANIFEST_NAME}")
-        stale = [key for key in self.fs.find(self.prefix) if key not in keep]
-        if stale:
-            self.fs.rm(stale)
+
+def _delete_unlisted(fs: Any, prefix: str, record: dict[str, Any]) -> None:
+    keep = {f"{prefix}/{rel}" for rel in record["files"]}
+    keep.add(f"{prefix}/{manifest.MANIFEST_NAME}")
+    stale = [key for key in fs.find(prefix) if key not in keep]
+    if stale:
+        fs.rm(stale)

@@ -46,4 +46,4 @@ class ExchangeRename(RenameAside):
             # Exchanged with something put in the stage's place: exchange back, the old version returns.
             renameat2(p.stage_name, p.name, RENAME_EXCHANGE, src_dir_fd=fd, dst_dir_fd=fd)
             raise p.swapped_stage_error()
-        p.remove_old_version(p.stage_name)  # the stage's name now holds the old version
+        p.behaviour.old_version(p, p.stage_name)  # the stage's name now holds the old version

@@ -1,10 +1,12 @@
-"""The directory save on a POSIX filesystem (local disk, NFS, Lustre, FUSE): one flow, one class.
+"""The directory save on a POSIX filesystem (local disk, NFS, Lustre, FUSE): one flow, one function.
 
 The stage is a hidden sibling of the target on its filesystem, so that promotion is a ``rename(2)``: an
 entry replaced atomically, never a file truncated in place. The lock beside the target keeps rival writer
 *jobs* apart; under it, dead writers' leftovers of the target are put right before this save promotes. A
 missing target is renamed into place; an existing one is replaced by the behaviour's ``commit``
-(``safeio._promotion.behaviour``: exchange, rename aside, merge, versioned, picked by the back end).
+(``safeio._promotion.behaviour``: exchange, rename aside, merge, versioned, a checkpoint step's rename;
+picked by the back end). ``finish`` is the whole commit, top to bottom; the behaviour is an object it
+calls, never a subclass of it.
 
 The parent (often a share others can write) is held open from the stage's creation; every step is
 relative to it (``safeio._storage.dirfd``), never a path through links. The stage, held open too, is
@@ -18,16 +20,17 @@ import errno
 import logging
 import os
 import stat
+import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from safeio._boundary import NOT_A_DIRECTORY, os_failure
-from safeio._errors import InvalidTargetError, PromotionError, TargetExistsError
+from safeio._boundary import NOT_A_DIRECTORY, mapped, os_failure
+from safeio._errors import InvalidTargetError, PromotionError
 from safeio._options import SaveOptions
-from safeio._promotion.base import Promoted, Promotion
+from safeio._promotion.base import FilesCheck, PhaseHook, Promoted, Promotion
 from safeio._promotion.behaviour import Behaviour
 from safeio._storage import claims, manifest
-from safeio._storage.dirfd import fsync_files_below, held_directory, identity, lstat_at, open_directory
+from safeio._storage.dirfd import held_directory, identity, lstat_at, open_directory, still_is
 from safeio._storage.fsops import remove_at
 from safeio._storage.location import Location
 from safeio._storage.locking import held, lock_path_for, make_lock
@@ -35,13 +38,12 @@ from safeio._storage.metadata import Damaged, load_manifest
 from safeio._storage.mounts import is_network_device
 from safeio._storage.names import NAME_MAX, may_have_siblings, sibling_name
 from safeio._storage.posix import rename_noreplace
-from safeio._storage.readers import version_pointee
 from safeio._storage.stage_contents import StageContents, settle_stage
 from safeio._who import who
 
 logger = logging.getLogger("safeio")
 
-# A fresh target's rename found something in its place (see _promote_unlocked).
+# A fresh target's rename found something in its place (see _promote_fresh).
 _TAKEN = frozenset({errno.EEXIST, errno.ENOTEMPTY, errno.ENOTDIR, errno.EISDIR})
 
 # recover(parent, parent_fd, target_name, durable, own_stage): puts right what dead writers of the target
@@ -54,23 +56,28 @@ class LocalPromotion(Promotion):
     """Stage beside the target on its own filesystem and promote with rename(2); the behaviour's
     ``commit`` replaces an existing target."""
 
-    # Whether a durable save records a checksum of every file (safeio._storage.digests); a
-    # checkpoint's gigabytes of shards are described by their sizes.
-    hashes_when_durable = True
-    # Whether the promotion changed the parent's entries (a rename there), so that a durable save syncs
-    # it; a merge into an existing target changes only the target's.
-    parent_changed = True
-
     def __init__(
         self,
         location: Location,
         options: SaveOptions,
         *,
+        rank: int,
+        call_id: str,
         recover: Recovery,
         behaviour: Behaviour,
-        **save: Any,
+        on_phase: PhaseHook | None = None,
+        check_files: FilesCheck | None = None,
+        marker: dict[str, Any] | None = None,
     ) -> None:
-        super().__init__(location, options, **save)  # rank, call_id, on_phase
+        self.location, self.options = location, options
+        self.rank, self.call_id = rank, call_id
+        self._on_phase = on_phase
+        self.marker = dict(marker or {})
+        self._check_files = check_files
+        self._started = time.monotonic()  # peers' waits began about now (see _lock_timeout)
+        self._result: Any = None  # the body's result (JSON form), recorded in the manifest
+        self.version: list[int] | None = None  # the promoted manifest's ``manifest.version_of``
+        self.replaced: list[int] | None = None  # the same of the version it replaced (None: none)
         self._recover = recover
         self.behaviour = behaviour
         # Asked for at every step: read once (a Location is immutable).
@@ -82,7 +89,15 @@ class LocalPromotion(Promotion):
         self.stage_name = ""
         self._stage_id: tuple[int, int] | None = None
         self._stage_mode = 0o777  # what mkdir gave the stage (the umask applied): see settle_stage
-        self.contents = StageContents()  # what the finished stage holds (set by _prepare)
+        self.contents = StageContents()  # what the finished stage holds (set by _settle)
+        # Whether the promotion changed the parent's entries (a rename there), so that a durable save
+        # syncs it; a merge into an existing target changes only the target's.
+        self.parent_changed = True
+        self.committed = False  # whether the stage became the target (the commit point passed)
+
+    def phase(self, name: str) -> None:
+        if self._on_phase is not None:
+            self._on_phase(name)
 
     # -- the target --------------------------------------------------------------------------------
 
@@ -99,31 +114,7 @@ class LocalPromotion(Promotion):
             ) from exc
 
     def check_target(self) -> None:
-        self._check_existing_target()
-        if self.behaviour.guards_own_ground:
-            self.refuse_protected_directories()
-
-    def _check_existing_target(self) -> None:
-        target = self.target
-        st = self._target_stat()
-        if st is None:
-            return
-        dir_fd = self.parent_fd if self.parent_fd >= 0 else None
-        shown = self.name if dir_fd is not None else target
-        if stat.S_ISLNK(st.st_mode) and version_pointee(shown, dir_fd=dir_fd) is None:
-            raise InvalidTargetError(
-                f"target {target} is a symlink safeio did not create; safeio never writes through or "
-                "replaces a foreign symlink (resolve it yourself and pass the real path)",
-                target,
-            )
-        if not stat.S_ISLNK(st.st_mode) and not stat.S_ISDIR(st.st_mode):
-            raise InvalidTargetError(
-                f"target {target} exists and is not a directory: a replicated target is a directory "
-                "(use safeio.atomic_open for a single file)",
-                target,
-            )
-        if self.options.mode == "error":
-            raise TargetExistsError(f"target {target} already exists and mode='error'", target)
+        self.behaviour.check_target(self, self._target_stat())
 
     # -- the stage ---------------------------------------------------------------------------------
 
@@ -176,8 +167,7 @@ class LocalPromotion(Promotion):
 
     def check_stage(self) -> None:
         """The stage is still the directory this process made (not renamed away or swapped for a link)."""
-        st = lstat_at(self.parent_fd, self.stage_name)
-        if st is None or identity(st) != self._stage_id:
+        if not still_is(self.parent_fd, self.stage_name, self._stage_id):
             raise PromotionError(
                 f"the stage {os.path.join(self.parent, self.stage_name)} of {self.target} was moved or "
                 "replaced by someone else while the save ran; nothing was promoted and nothing it now "
@@ -189,8 +179,7 @@ class LocalPromotion(Promotion):
         """After a promoting rename: whether what now stands at ``name`` is the stage this process made.
         The last ``check_stage`` ran before the rename, which goes by name: in a share others can write,
         the stage may have been swapped in that window (a poller did it in 92 of 109 saves)."""
-        st = lstat_at(self.parent_fd, name)
-        return st is not None and identity(st) == self._stage_id
+        return still_is(self.parent_fd, name, self._stage_id)
 
     def swapped_stage_error(self) -> PromotionError:
         return PromotionError(
@@ -215,24 +204,48 @@ class LocalPromotion(Promotion):
             self.close()
             return
         try:
-            if self.parent_fd >= 0 and self.stage_name:
-                st = lstat_at(self.parent_fd, self.stage_name)
-                if st is not None and identity(st) == self._stage_id:
-                    remove_at(self.parent_fd, self.stage_name, what="failed stage", shown=stage)
+            made = self.parent_fd >= 0 and self.stage_name
+            if made and still_is(self.parent_fd, self.stage_name, self._stage_id):
+                remove_at(self.parent_fd, self.stage_name, what="failed stage", shown=stage)
         finally:
             self.close()
 
+    # -- the commit ------------------------------------------------------------------------------
+
     def finish(self, stage: str, *, result: Any = None) -> Promoted:
-        promoted = super().finish(stage, result=result)
+        """Describe, sync, lock and promote ``stage``; on return the target is the new version.
+        ``result`` (the body's, JSON form) is recorded in the manifest for peers without a store."""
+        self._result = result
+        behaviour, target = self.behaviour, self.target
+        with mapped(f"could not promote {target}", target):
+            self.phase("manifest")  # describing the stage reads (and, if durable, hashes) every file
+            entries = self._settle()
+            if not (behaviour.promotes_unlocked and self._promote_fresh(entries)):
+                self.phase("lock")
+                with self._locked():
+                    self.phase("promote")
+                    # Under the lock: a rival job may have changed the target while our body ran, and
+                    # what dead writers of it left is put right before this save promotes.
+                    with behaviour.committing(self):
+                        self.check_target()
+                        self.check_stage()
+                        self.replaced = self._current_version()
+                        durable = self.options.durable
+                        self._recover(self.parent, self.parent_fd, self.name, durable, self.stage_name)
+                        if not (behaviour.renames_fresh_target and self._renamed_fresh(entries)):
+                            behaviour.commit(self, stage, entries)
+                        self.committed = True
+                        self._sync_parent()
+        logger.debug("%s: promoted %s (mode %s)", who(self.rank), target, self.options.mode)
         self.close()
-        return promoted
+        return Promoted(self.version, self.replaced)
 
-    # -- hooks of the flow -------------------------------------------------------------------------
-
-    def _prepare(self, stage: str) -> dict[str, dict[str, Any]]:
+    def _settle(self) -> dict[str, dict[str, Any]]:
+        """Check the stage, make it durable where asked, and return the manifest entries of its files
+        (none when the manifest is off)."""
         self.check_stage()
-        durable = self.options.durable
-        in_walk = durable and self._files_synced_in_walk()
+        durable, behaviour = self.options.durable, self.behaviour
+        in_walk = durable and behaviour.syncs_in_walk(self)
         if durable:
             self.phase("fsync")  # the walk below fsyncs every file as it checksums it
         # One walk, one open per file: modes, checksums (durable only: see safeio._storage.manifest),
@@ -242,23 +255,15 @@ class LocalPromotion(Promotion):
             self.stage_fd,
             self._stage_mode,
             describe=self.options.manifest,
-            hashes=durable and self.hashes_when_durable,
+            hashes=durable and behaviour.hashes_when_durable,
             sync_files=in_walk,
             sync_dirs=durable,
         )
-        self.check_staged(self.contents.content)
+        if self._check_files is not None:
+            self._check_files(list(self.contents.content))
         if durable and not in_walk:
-            self._sync_files()
+            behaviour.sync_files(self)
         return self.contents.entries
-
-    def _files_synced_in_walk(self) -> bool:
-        """Whether the stage's walk fsyncs its files (one open per file); not where they are shared out
-        among a checkpoint's ranks (``StepRename``)."""
-        return True
-
-    def _sync_files(self) -> None:
-        """Durable saves whose files the walk did not sync: every regular file of the stage."""
-        fsync_files_below(self.stage_fd)
 
     def seal_stage(self) -> None:
         """Durable saves: the stage's entries (its files, the manifest, a merge's intent) reach the disk
@@ -266,7 +271,7 @@ class LocalPromotion(Promotion):
         if self.options.durable:
             os.fsync(self.stage_fd)
 
-    def _promote_unlocked(self, stage: str, entries: dict[str, dict[str, Any]]) -> bool:
+    def _promote_fresh(self, entries: dict[str, dict[str, Any]]) -> bool:
         """A target that does not exist yet, with no leftovers of dead writers beside it, needs no lock.
 
         The lock orders promotions *over* an existing target and the recovery of leftovers; a rename that
@@ -290,12 +295,20 @@ class LocalPromotion(Promotion):
         logger.debug("%s: %s is new: promoted without the lock", who(self.rank), self.target)
         return True
 
+    def _renamed_fresh(self, entries: dict[str, dict[str, Any]]) -> bool:
+        """Under the lock: the stage renamed to a target that is still missing (True); else the target
+        is checked again (a first save of a rival job may have taken the name meanwhile)."""
+        if lstat_at(self.parent_fd, self.name) is None and self.rename_into_place(entries):
+            return True
+        self.check_target()
+        return False
+
     def rename_into_place(self, entries: dict[str, dict[str, Any]]) -> bool:
         """The stage becomes the target, which does not exist; False (nothing changed) if a rival's
         version took the name first, which first saves promote without the lock."""
         self.write_manifest(entries, None)
         self.seal_stage()
-        self.before_rename()
+        self.behaviour.commit_point()
         try:
             rename_noreplace(self.stage_name, self.name, self.parent_fd, flag=self.noreplace_flag())
         except OSError as exc:
@@ -311,46 +324,35 @@ class LocalPromotion(Promotion):
             raise self.swapped_stage_error()
         return True
 
-    def before_rename(self) -> None:
-        """The last moment before the stage becomes the target (a checkpoint's commit point: see
-        ``StepRename``); nothing by default."""
-
     def noreplace_flag(self) -> bool:
         # NFS and FUSE refuse RENAME_NOREPLACE: asking would be one more round trip to the server.
         return not is_network_device(os.fstat(self.parent_fd).st_dev, self.parent)
 
-    def lock_name(self) -> str:
-        """Whose promotion lock this save takes: its target's (``.<name>.safeio.lock`` beside it)."""
-        return self.name
-
     @contextlib.contextmanager
     def _locked(self) -> Iterator[None]:
         lock = make_lock(
-            lock_path_for(self.parent, self.lock_name()),
+            lock_path_for(self.parent, self.behaviour.lock_name or self.name),
             self.options.lock,
-            self.lock_timeout(),
+            self._lock_timeout(),
             self.options.lease_seconds,
             parent_fd=self.parent_fd,
+            # A checkpoint's root directory itself is locked (a flock on it, locally): no lock file is
+            # left in a framework's own directory, whose listing its users and tests read.
+            on_directory=self.behaviour.lock_on_directory,
         )
         with held(lock, self.target, self.rank):
             yield
 
-    def _promote(self, stage: str, entries: dict[str, dict[str, Any]]) -> None:
-        # Under the lock: a rival job may have changed the target while our body ran, and what dead
-        # writers of it left is put right before this save promotes.
-        self.check_target()
-        self.check_stage()
-        self.replaced = self._current_version()
-        self._recover(self.parent, self.parent_fd, self.name, self.options.durable, self.stage_name)
-        self._put_in_place(stage, entries)
-        self._sync_parent()
+    def _lock_timeout(self) -> float:
+        """What is left of ``timeout`` for the lock, minus a margin to publish the outcome.
 
-    def _put_in_place(self, stage: str, entries: dict[str, dict[str, Any]]) -> None:
-        if self.behaviour.renames_fresh_target:
-            if lstat_at(self.parent_fd, self.name) is None and self.rename_into_place(entries):
-                return
-            self.check_target()  # a first save of a rival job may have taken the name meanwhile
-        self.behaviour.commit(self, stage, entries)
+        Peers wait ``timeout`` from about when this save began; a writer that waited the full
+        ``timeout`` for a rival's lock after its body would report LockTimeout after every peer had
+        given up with a PeerTimeout that hides why (seen with 8 ranks and a rival holding the lock).
+        """
+        timeout = self.options.timeout
+        margin = min(1.0, 0.05 * timeout)
+        return max(0.01, timeout - (time.monotonic() - self._started) - margin)
 
     def _current_version(self) -> list[int] | None:
         """``manifest.version_of`` the target's manifest now (through a version link), if it has one."""
@@ -368,30 +370,6 @@ class LocalPromotion(Promotion):
             os.fsync(self.parent_fd)
 
     # -- shared by local behaviours ------------------------------------------------------------------
-
-    def refuse_protected_directories(self) -> None:
-        """Behaviours that remove the old version refuse a target that holds the process's own ground.
-
-        ``replicated(".")`` in replace mode would otherwise empty the working directory it runs in.
-        """
-        if self.stage_fd >= 0:
-            return  # checked before the stage was made; the working and home directories are the caller's
-        target = self.target
-        candidates = {target, os.path.realpath(target)}
-        for what, path in (
-            ("the working directory", _cwd()),
-            ("the home directory", os.path.expanduser("~")),
-        ):
-            if (
-                path
-                and path != "/"
-                and any(path == t or path.startswith(t.rstrip("/") + "/") for t in candidates)
-            ):
-                raise InvalidTargetError(
-                    f"refusing mode={self.options.mode!r} for {target}: it is or contains {what} {path}, "
-                    "which replacing it would delete (save into a subdirectory, or use mode='merge')",
-                    target,
-                )
 
     def write_manifest(
         self,
@@ -412,7 +390,9 @@ class LocalPromotion(Promotion):
                 old.reason,
             )
             old = None
-        record = self.manifest_record(entries, old)
+        record = manifest.build(
+            entries, rank=self.rank, call=self.call_id, previous=old, result=self._result, marker=self.marker
+        )
         if intent is not None:
             record[manifest.MERGE_INTENT_KEY] = intent
         self.version = manifest.write(self.stage_fd, record, durable=self.options.durable)
@@ -422,29 +402,3 @@ class LocalPromotion(Promotion):
         """The existing target directory, held (a link there is not followed)."""
         with held_directory(self.name, dir_fd=self.parent_fd) as fd:
             yield fd
-
-    def remove_old_version(self, name: str) -> None:
-        """Remove a replaced version after success: a failure here is a warning and a leftover for gc.
-
-        The new version is already in place; raising now would tell every peer the save failed.
-        """
-        self.phase("cleanup")
-        shown = os.path.join(self.parent, name)
-        try:
-            remove_at(self.parent_fd, name, what="replaced version", shown=shown)
-        except OSError as exc:
-            logger.warning(
-                "%s: %s was promoted, but its old version %s could not be removed (%s); `safeio gc` "
-                "removes it later",
-                who(self.rank),
-                self.target,
-                shown,
-                exc.strerror or exc,
-            )
-
-
-def _cwd() -> str | None:
-    try:
-        return os.getcwd()
-    except OSError:  # the working directory was removed
-        return None

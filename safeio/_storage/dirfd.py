@@ -80,6 +80,13 @@ def identity(st: os.stat_result) -> tuple[int, int]:
     return st.st_dev, st.st_ino
 
 
+def still_is(dir_fd: int, name: str, made: tuple[int, int] | None) -> bool:
+    """Whether ``name`` in ``dir_fd`` is still the entry whose ``identity`` is ``made`` (not moved away,
+    nor swapped for another)."""
+    st = lstat_at(dir_fd, name)
+    return st is not None and identity(st) == made
+
+
 def lstat_at(dir_fd: int, name: str) -> os.stat_result | None:
     """``lstat`` of ``name`` in ``dir_fd``, or None when it does not exist."""
     try:

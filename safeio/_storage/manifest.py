@@ -85,8 +85,10 @@ def build(
     call: str,
     previous: dict[str, Any] | None = None,
     result: Any = None,
+    marker: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
-    """A manifest for ``files``; with ``previous`` (merge mode) the other objects' entries are kept.
+    """A manifest for ``files``; with ``previous`` (merge mode) the other objects' entries are kept;
+    ``marker`` fields (a checkpoint's step and sequence) are recorded in it.
 
     ``call`` and ``result`` describe the save that wrote it, so that a rank without a store can tell
     its own save landed and return what the writer returned.
@@ -109,6 +111,7 @@ def build(
     }
     if result is not None:
         record["result"] = result
+    record.update(marker or {})
     return record
 
 

@@ -221,7 +221,10 @@ def test_another_users_steps_in_a_shared_root_are_never_chosen_nor_retired(share
     assert (shared / "run" / "step_50").is_dir() and (shared / "run" / "step_60").is_dir()  # untouched
     assert safeio.verify(shared / "run" / "step_60") == []
     listed = subprocess.run(
-        [sys.executable, "-m", "safeio", "ls", "--json", path], capture_output=True, text=True, timeout=PATIENT
+        [sys.executable, "-m", "safeio", "ls", "--json", path],
+        capture_output=True,
+        text=True,
+        timeout=PATIENT,
     )
     rows = {row["name"]: row for row in json.loads(listed.stdout)["checkpoints"]}
     assert rows["step_60"]["state"] == "another-users" and rows["step_3"]["state"] == "committed"

@@ -18,6 +18,7 @@ import safeio
 from safeio.testing import hf_objects
 from safeio.testing.nfslike import Mount
 from safeio.testing.ranks import run_ranks
+from tests._bounds import RUN
 
 pytest.importorskip("accelerate")
 
@@ -56,7 +57,7 @@ def test_save_state_into_the_scripts_own_directories_works_and_commits_them(nfsl
     from transformers import AutoTokenizer
 
     root = nfslike_mount.path / "run"
-    results = run_ranks(_saves_into_the_scripts_directories, 2, os.fspath(root), timeout=300)
+    results = run_ranks(_saves_into_the_scripts_directories, 2, os.fspath(root), timeout=RUN)
     for result in results:
         seen = result.value
         assert seen["saved"] == [os.fspath(root / "tmpk2f9"), os.fspath(root / "step_3")], seen

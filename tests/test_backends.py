@@ -16,6 +16,7 @@ from safeio._options import SaveOptions
 from safeio._promotion.backends import Backend, ObjectStoreBackend, PosixBackend, backend_for
 from safeio._storage.location import resolve
 from safeio.testing.ranks import run_ranks
+from tests._bounds import PATIENT, RUN
 from tests._marker_backend import PROTOCOL, DirectoryRenameRefused, MarkerDirectoryBackend
 from tests.test_checkpoints import _save_loop
 
@@ -44,7 +45,7 @@ def test_the_test_only_back_end_really_refuses_directory_renames(tmp_path: Path)
     with pytest.raises(DirectoryRenameRefused):
         fs.mv(f"{PROTOCOL}://{tmp_path}/a", f"{PROTOCOL}://{tmp_path}/b")
     # A save there commits by its marker instead (the contract tests run every promise on it).
-    with safeio.replicated(f"{PROTOCOL}://{tmp_path}/tok", timeout=60) as stage:
+    with safeio.replicated(f"{PROTOCOL}://{tmp_path}/tok", timeout=PATIENT) as stage:
         Path(stage.path, "tokenizer.json").write_text("{}")
     assert safeio.verify(f"{PROTOCOL}://{tmp_path}/tok") == []
     assert sorted(os.listdir(tmp_path / "tok")) == [".safeio-manifest.json", "tokenizer.json"]
@@ -60,7 +61,7 @@ def test_whole_checkpoints_on_ranks_through_the_new_back_end(tmp_path: Path) -> 
     by the marker, ``latest`` and retention, each rank loading what it saved."""
     root = f"{PROTOCOL}://{tmp_path}/run"
     steps = [1, 2, 3]
-    results = run_ranks(_save_loop_on_marker_dirs, 4, root, steps, 2, None, timeout=400)
+    results = run_ranks(_save_loop_on_marker_dirs, 4, root, steps, 2, None, timeout=RUN)
     for r in results:
         assert r.value["seen"] == steps and r.value["steps"] == steps[-2:], r
         assert r.value["same_model"] is True and r.value["trainer_state"] == {"step": 3}, r

@@ -17,6 +17,7 @@ import pytest
 import safeio
 from safeio.testing.nfslike import Mount
 from safeio.testing.ranks import run_ranks
+from tests._bounds import PATIENT, RUN
 
 
 @pytest.fixture(params=["local", "nfslike"])
@@ -34,7 +35,7 @@ def _save(ckpts: safeio.Checkpoints, step: int, content: bytes) -> None:
 
 
 def _rollback(rank: int, world: int, root: str, pointer: bool) -> dict[str, Any]:
-    ckpts = safeio.Checkpoints(root, keep=None, timeout=60, **({} if pointer else {"pointer": False}))
+    ckpts = safeio.Checkpoints(root, keep=None, timeout=PATIENT, **({} if pointer else {"pointer": False}))
     for step in (10, 20, 30):
         _save(ckpts, step, b"first")
     ckpts.at(10)  # a loss spike: the job resumes from 10 and trains through 20 again
@@ -58,7 +59,7 @@ def test_a_committed_step_saved_again_replaces_it_whole_and_becomes_the_latest(r
     save of 20 raised TargetExistsError on the writer (and CheckpointError on the others) after the
     steps in between were computed. Now the new version is committed in place of the old one, which
     stays whole until then, and commit order makes it the latest (30 stays the highest number)."""
-    results = run_ranks(_rollback, 2, root, True, timeout=300)
+    results = run_ranks(_rollback, 2, root, True, timeout=RUN)
     seen = results[0].value
     assert seen["old while saving"] == ([], b"first")
     assert [r.value["latest"] for r in results] == [20, 20]
@@ -80,7 +81,7 @@ def test_a_root_without_pointer_files_holds_the_steps_alone(root: str, capsys: A
     """``pointer=False`` (the integrations' roots: the Trainer's output_dir, a script's accelerate
     directories): no ``latest``, no sequence record, no lock file — the root's listing is the steps —
     and commit order still decides the latest after a rollback (read from the markers)."""
-    results = run_ranks(_rollback, 2, root, False, timeout=300)
+    results = run_ranks(_rollback, 2, root, False, timeout=RUN)
     assert [(r.value["latest"], r.value["steps"]) for r in results] == [(20, [10, 20, 30])] * 2
     assert sorted(os.listdir(root)) == ["step_10", "step_20", "step_30"]
     # `safeio verify` still knows it for a root of checkpoints (by its steps' markers) and checks each.
@@ -113,7 +114,7 @@ def test_an_object_store_refuses_a_committed_step_saved_again(s3: dict[str, str]
 
 
 def _judged(rank: int, world: int, root: str) -> Any:
-    ckpts = safeio.Checkpoints(root, keep=None, timeout=60)
+    ckpts = safeio.Checkpoints(root, keep=None, timeout=PATIENT)
     found = ckpts.at(3, unmarked=lambda path: rank == 0)  # the ranks' views of the directory differ
     return (found.step, found.committed)
 
@@ -125,7 +126,7 @@ def test_at_judges_a_step_written_without_safeio_once_for_every_rank(shared_dir:
     root = shared_dir / "run"
     (root / "step_3").mkdir(parents=True)
     (root / "step_3" / "weights.bin").write_bytes(b"plain")
-    results = run_ranks(_judged, 2, str(root), timeout=300)
+    results = run_ranks(_judged, 2, str(root), timeout=RUN)
     assert [r.value for r in results] == [(3, False), (3, False)]
 
 

@@ -25,6 +25,7 @@ import pytest
 import safeio
 from safeio.testing.nfslike import Mount
 from safeio.testing.ranks import run_ranks
+from tests._bounds import PATIENT, RUN
 
 Action = tuple[Any, ...]
 
@@ -39,17 +40,17 @@ def _job(rank: int, world: int, root: str, actions: list[Action]) -> list[Any]:
         kind = action[0]
         if kind == "save":
             _, step, keep = action
-            with safeio.Checkpoints(root, keep=keep, timeout=60).save(step) as ckpt:
+            with safeio.Checkpoints(root, keep=keep, timeout=PATIENT).save(step) as ckpt:
                 dcp.save({"w": torch.full((4,), float(step))}, checkpoint_id=ckpt.path)  # every rank
                 safeio.torch_save({"step": step}, os.path.join(ckpt.path, "trainer_state.pt"))  # once
             out.append(ckpt.warnings)
         elif kind == "latest":
-            found = safeio.Checkpoints(root, timeout=60).latest()
+            found = safeio.Checkpoints(root, timeout=PATIENT).latest()
             out.append(found.step if found is not None else None)
         elif kind == "steps":
-            out.append(safeio.Checkpoints(root, timeout=60).steps())
+            out.append(safeio.Checkpoints(root, timeout=PATIENT).steps())
         elif kind == "at":
-            found = safeio.Checkpoints(root, timeout=60).at(action[1])
+            found = safeio.Checkpoints(root, timeout=PATIENT).at(action[1])
             restored = {"w": torch.zeros(4)}
             dcp.load(restored, checkpoint_id=found.path)
             out.append((found.step, restored["w"].tolist()))
@@ -93,8 +94,8 @@ def test_a_restarted_job_keeps_the_step_it_just_saved(root: tuple[str, dict[str,
     """An earlier run left steps 1000 and 1001; the new job saves step 5 with keep=2. Ranking by number
     retired step 5 itself (and latest() named 1001, and a rank timed out waiting for 5)."""
     path, env = root
-    run_ranks(_job, 2, path, [("save", 1000, 2), ("save", 1001, 2)], timeout=300, env=env)
-    results = run_ranks(_job, 2, path, [("save", 5, 2), ("latest",), ("steps",)], timeout=300, env=env)
+    run_ranks(_job, 2, path, [("save", 1000, 2), ("save", 1001, 2)], timeout=RUN, env=env)
+    results = run_ranks(_job, 2, path, [("save", 5, 2), ("latest",), ("steps",)], timeout=RUN, env=env)
     warnings, latest, steps = _on_every_rank(results)
     assert warnings == [] and latest == 5
     assert steps == [5, 1001]  # the oldest commit (1000) retired; the new one kept
@@ -105,20 +106,20 @@ def test_a_rollback_then_a_save_makes_the_new_branch_the_latest(root: tuple[str,
     """Steps 10, 20, 30; the job resumes from 10 on purpose (a loss spike) and saves 15: 15 is the latest
     commit, for this job and for the next one, while 30 stays the highest number."""
     path, env = root
-    run_ranks(_job, 2, path, [("save", s, None) for s in (10, 20, 30)], timeout=300, env=env)
-    results = run_ranks(_job, 2, path, [("at", 10), ("save", 15, None), ("latest",)], timeout=300, env=env)
+    run_ranks(_job, 2, path, [("save", s, None) for s in (10, 20, 30)], timeout=RUN, env=env)
+    results = run_ranks(_job, 2, path, [("at", 10), ("save", 15, None), ("latest",)], timeout=RUN, env=env)
     resumed, warnings, latest = _on_every_rank(results)
     assert tuple(resumed) == (10, [10.0] * 4) and warnings == [] and latest == 15
-    results = run_ranks(_job, 2, path, [("latest",), ("steps",)], timeout=300, env=env)
+    results = run_ranks(_job, 2, path, [("latest",), ("steps",)], timeout=RUN, env=env)
     latest, steps = _on_every_rank(results)
     assert latest == 15 and steps == [10, 15, 20, 30] and max(steps) == 30
 
 
 def test_at_a_step_that_is_not_committed_names_what_is(shared_dir: Path) -> None:
     path = str(shared_dir / "run")
-    run_ranks(_job, 2, path, [("save", 1, None), ("save", 2, None)], timeout=300)
+    run_ranks(_job, 2, path, [("save", 1, None), ("save", 2, None)], timeout=RUN)
     (shared_dir / "run" / "step_3").mkdir()  # a step directory without a marker: never resumed from
-    results = run_ranks(_job, 2, path, [("at", 3)], timeout=300, check=False)
+    results = run_ranks(_job, 2, path, [("at", 3)], timeout=RUN, check=False)
     for r in results:  # every rank raises the same error, naming the committed steps
         assert isinstance(r.error, safeio.InvalidTargetError), r
         assert "step 3 is not a committed checkpoint" in str(r.error), r
@@ -129,15 +130,15 @@ def test_a_pointer_that_cannot_be_written_after_the_commit_is_a_warning(shared_d
     """A directory planted where ``latest`` goes: the step is committed all the same, every rank is told
     so with a warning, latest() finds it; once the name is free, the next save writes the pointer."""
     path = str(shared_dir / "run")
-    run_ranks(_job, 2, path, [("save", 1, None)], timeout=300)
+    run_ranks(_job, 2, path, [("save", 1, None)], timeout=RUN)
     (shared_dir / "run" / "latest").unlink()
     (shared_dir / "run" / "latest").mkdir()
-    results = run_ranks(_job, 2, path, [("save", 2, None), ("latest",)], timeout=300)
+    results = run_ranks(_job, 2, path, [("save", 2, None), ("latest",)], timeout=RUN)
     warnings, latest = _on_every_rank(results)
     assert len(warnings) == 1 and "step 2 is committed, but the pointer" in warnings[0], warnings
     assert latest == 2 and safeio.verify(shared_dir / "run" / "step_2") == []
     (shared_dir / "run" / "latest").rmdir()
-    results = run_ranks(_job, 2, path, [("save", 3, None), ("latest",)], timeout=300)
+    results = run_ranks(_job, 2, path, [("save", 3, None), ("latest",)], timeout=RUN)
     assert _on_every_rank(results) == [[], 3]
     assert (shared_dir / "run" / "latest").read_text() == "step_3"
 
@@ -146,16 +147,16 @@ def test_a_pointer_that_cannot_be_written_after_the_commit_is_a_warning(shared_d
 def test_a_pointer_write_failing_on_the_filesystem_is_a_warning(nfslike_mount: Mount) -> None:
     """The same with a real I/O error: EIO when the new pointer is fsynced."""
     path = str(nfslike_mount.path / "run")
-    run_ranks(_job, 2, path, [("save", 1, None)], timeout=300)
+    run_ranks(_job, 2, path, [("save", 1, None)], timeout=RUN)
     nfslike_mount.set_faults(eio_on_fsync="*latest.safeio-tmp-*")
     try:
-        results = run_ranks(_job, 2, path, [("save", 2, None), ("latest",)], timeout=300)
+        results = run_ranks(_job, 2, path, [("save", 2, None), ("latest",)], timeout=RUN)
     finally:
         nfslike_mount.set_faults(eio_on_fsync=None)
     warnings, latest = _on_every_rank(results)
     assert len(warnings) == 1 and "pointer" in warnings[0] and latest == 2, warnings
     assert (nfslike_mount.path / "run" / "latest").read_text() == "step_1"  # the old pointer, whole
-    results = run_ranks(_job, 2, path, [("save", 3, None)], timeout=300)
+    results = run_ranks(_job, 2, path, [("save", 3, None)], timeout=RUN)
     assert (nfslike_mount.path / "run" / "latest").read_text() == "step_3"
 
 
@@ -164,12 +165,12 @@ def test_a_retention_failure_after_the_commit_is_a_warning_and_the_next_save_ret
 ) -> None:
     path = str(shared_dir / "run")
     actions = [("save", 1, 2), ("save", 2, 2), ("retention fails once",), ("save", 3, 2), ("steps",)]
-    warnings_1, warnings_2, warnings_3, steps = _on_every_rank(run_ranks(_job, 2, path, actions, timeout=300))
+    warnings_1, warnings_2, warnings_3, steps = _on_every_rank(run_ranks(_job, 2, path, actions, timeout=RUN))
     assert warnings_1 == warnings_2 == []
     assert len(warnings_3) == 1 and "step 3 is committed, but retention" in warnings_3[0], warnings_3
     assert steps == [1, 2, 3]  # nothing retired, nothing lost: step 3 committed
     warnings_4, latest, steps = _on_every_rank(
-        run_ranks(_job, 2, path, [("save", 4, 2), ("latest",), ("steps",)], timeout=300)
+        run_ranks(_job, 2, path, [("save", 4, 2), ("latest",), ("steps",)], timeout=RUN)
     )
     assert warnings_4 == [] and latest == 4 and steps == [3, 4]
 
@@ -188,7 +189,7 @@ def _save_as_another_user(root: str, steps: tuple[int, ...]) -> None:
         os.setuid(OTHER_UID)
         # lock=False: this user cannot open the lock file of the root's owner for writing (and needs
         # none: nobody else saves here meanwhile)
-        ckpts = safeio.Checkpoints(root, keep=None, timeout=60, lock=False)
+        ckpts = safeio.Checkpoints(root, keep=None, timeout=PATIENT, lock=False)
         for step in steps:
             with ckpts.save(step) as ckpt:
                 Path(ckpt.path, "weights.bin").write_bytes(b"theirs")
@@ -211,16 +212,19 @@ def test_another_users_steps_in_a_shared_root_are_never_chosen_nor_retired(share
 
     theirs = multiprocessing.get_context("fork").Process(target=_save_as_another_user, args=(path, (50, 60)))
     theirs.start()
-    theirs.join(120)
+    theirs.join(PATIENT)
     assert theirs.exitcode == 0, theirs.exitcode
     assert {(shared / "run" / f"step_{s}").stat().st_uid for s in (50, 60)} == {OTHER_UID}
     actions = [("save", s, 2) for s in (1, 2, 3)] + [("latest",), ("steps",)]
-    *_, latest, steps = _on_every_rank(run_ranks(_job, 2, path, actions, timeout=300))
+    *_, latest, steps = _on_every_rank(run_ranks(_job, 2, path, actions, timeout=RUN))
     assert latest == 3 and steps == [2, 3]
     assert (shared / "run" / "step_50").is_dir() and (shared / "run" / "step_60").is_dir()  # untouched
     assert safeio.verify(shared / "run" / "step_60") == []
     listed = subprocess.run(
-        [sys.executable, "-m", "safeio", "ls", "--json", path], capture_output=True, text=True, timeout=60
+        [sys.executable, "-m", "safeio", "ls", "--json", path],
+        capture_output=True,
+        text=True,
+        timeout=PATIENT,
     )
     rows = {row["name"]: row for row in json.loads(listed.stdout)["checkpoints"]}
     assert rows["step_60"]["state"] == "another-users" and rows["step_3"]["state"] == "committed"
@@ -232,7 +236,7 @@ _KILLED_WHILE_DELETING = textwrap.dedent(
     import sys
     from pathlib import Path
     import safeio
-    ckpts = safeio.Checkpoints(sys.argv[1], keep=1, timeout=60, durable=False)
+    ckpts = safeio.Checkpoints(sys.argv[1], keep=1, timeout=float(sys.argv[2]), durable=False)
     for step in (1, 2):
         with ckpts.save(step) as ckpt:
             for i in range(200 if step == 1 else 1):
@@ -252,13 +256,13 @@ def test_a_kill_while_retired_steps_are_deleted_leaves_no_half_step_and_gc_finis
     # Only names inside a retired step's aside match: the saves themselves never hang.
     nfslike_mount.set_faults(hang="*.step_1.safeio-tmp-*/shard_1*", hang_timeout=600)
     proc = subprocess.Popen(
-        [sys.executable, "-c", _KILLED_WHILE_DELETING, str(run)],
+        [sys.executable, "-c", _KILLED_WHILE_DELETING, str(run), str(PATIENT)],
         stdout=subprocess.PIPE,
         text=True,
     )
     try:
         assert proc.stdout is not None
-        deadline = time.monotonic() + 120
+        deadline = time.monotonic() + PATIENT
         assert proc.stdout.readline().strip() == "saved"  # step 2 committed; step 1 being deleted
         while not any(n.startswith(".step_1.safeio-tmp-") for n in os.listdir(run)):
             assert time.monotonic() < deadline, os.listdir(run)
@@ -267,7 +271,7 @@ def test_a_kill_while_retired_steps_are_deleted_leaves_no_half_step_and_gc_finis
         # A process blocked in a FUSE request dies once the request is answered: let the hung one go.
         nfslike_mount.set_faults(hang=None)
         nfslike_mount.release()
-        assert proc.wait(60) == -signal.SIGKILL
+        assert proc.wait(PATIENT) == -signal.SIGKILL
     finally:
         nfslike_mount.set_faults(hang=None)
         nfslike_mount.release()
@@ -277,7 +281,7 @@ def test_a_kill_while_retired_steps_are_deleted_leaves_no_half_step_and_gc_finis
     aside = [n for n in names if n.startswith(".step_1.safeio-tmp-")]
     assert "step_1" not in names and len(aside) == 1, names  # aside, never half deleted under its name
     assert os.listdir(run / aside[0])  # its deletion did not finish (it hung on a shard, then the kill)
-    assert safeio.Checkpoints(str(run), timeout=60).steps() == [2]
+    assert safeio.Checkpoints(str(run), timeout=PATIENT).steps() == [2]
     done = subprocess.run([sys.executable, "-m", "safeio", "gc", str(run)], capture_output=True, text=True)
     assert done.returncode == 0, done.stdout + done.stderr
     assert not any(n.startswith(".step_1.safeio-") for n in os.listdir(run)), os.listdir(run)
@@ -295,7 +299,7 @@ def _announce_a_crafted_stage(rank: int, world: int, root: str, crafted: str) ->
 
         CheckpointCall.announce = crafted_announce  # type: ignore[method-assign]
     try:
-        with safeio.Checkpoints(root, timeout=5).save(1) as ckpt:
+        with safeio.Checkpoints(root, timeout=PATIENT).save(1) as ckpt:
             Path(ckpt.path, f"shard_{rank}").write_text("x")
     except safeio.CheckpointError as exc:
         return str(exc)
@@ -306,7 +310,7 @@ def _announce_a_crafted_stage(rank: int, world: int, root: str, crafted: str) ->
 def test_a_stage_name_heard_through_the_store_must_be_one_safeio_gives(
     shared_dir: Path, crafted: str
 ) -> None:
-    results = run_ranks(_announce_a_crafted_stage, 2, str(shared_dir / "run"), crafted, timeout=120)
+    results = run_ranks(_announce_a_crafted_stage, 2, str(shared_dir / "run"), crafted, timeout=RUN)
     assert "is not one safeio gives" in results[1].value, results[1].value
     # Rank 1 tells the writer at once (it waited out its timeout for rank 1's report before), and
     # nothing is committed.

@@ -16,6 +16,7 @@ import safeio
 from safeio.testing import hf_objects
 from safeio.testing.nfslike import Mount
 from safeio.testing.ranks import run_ranks
+from tests._bounds import PATIENT, RUN
 from tests.test_nfs_proof import _enter_client_b
 
 
@@ -40,7 +41,7 @@ def _save_loop(
 
     if clients is not None and rank % 2 == 1:
         _enter_client_b(*clients)  # odd ranks are the second NFS client, with its own caches
-    ckpts = safeio.Checkpoints(root, keep=keep, timeout=60)
+    ckpts = safeio.Checkpoints(root, keep=keep, timeout=PATIENT)
     seen = []
     for step in steps:
         with ckpts.save(step) as ckpt:
@@ -103,7 +104,7 @@ def _check_loop(results: list[Any], root: Path, steps: list[int], keep: int) -> 
 def test_dcp_tokenizer_and_state_committed_together(shared_dir: Path, world: int) -> None:
     root = shared_dir / "ckpts"
     steps = [1, 2, 3]
-    results = run_ranks(_save_loop, world, str(root), steps, 2, None, timeout=400)
+    results = run_ranks(_save_loop, world, str(root), steps, 2, None, timeout=RUN)
     _check_loop(results, root, steps, 2)
 
 
@@ -112,7 +113,7 @@ def test_ranks_on_two_nfs_clients_agree_on_latest(nfslike_clients: tuple[Mount, 
     a, b = nfslike_clients
     root = a.path / "ckpts"
     steps = [1, 2, 3]
-    results = run_ranks(_save_loop, 4, str(root), steps, 2, (str(a.path), str(b.path)), timeout=400)
+    results = run_ranks(_save_loop, 4, str(root), steps, 2, (str(a.path), str(b.path)), timeout=RUN)
     _check_loop(results, root, steps, 2)
     assert a.hazards() == []
 
@@ -123,7 +124,7 @@ def test_dcp_tokenizer_and_state_on_s3(s3: dict[str, str]) -> None:
 
     root = f"s3://{s3['BUCKET']}/run"
     steps = [1, 2, 3]
-    results = run_ranks(_save_loop, 4, root, steps, 2, None, timeout=400, env=s3)
+    results = run_ranks(_save_loop, 4, root, steps, 2, None, timeout=RUN, env=s3)
     for r in results:
         assert r.value["seen"] == steps and r.value["steps"] == steps[-2:], r
         assert r.value["same_model"] is True and r.value["trainer_state"] == {"step": 3}, r
@@ -213,12 +214,12 @@ def _every_rank_past_dcp(rank: int, world: int, key: str = "past-dcp", dead: tup
     store = c10d._get_default_store()
     if store.add(key, 1) == world - len(dead):
         store.set(f"{key}/all", "1")
-    store.wait([f"{key}/all"], timedelta(seconds=60))
+    store.wait([f"{key}/all"], timedelta(seconds=PATIENT))
     if rank != 0:
         store.set(f"{key}/passed/{rank}", "1")
     else:
         others = [r for r in range(1, world) if r not in dead]
-        store.wait([f"{key}/passed/{r}" for r in others], timedelta(seconds=60))
+        store.wait([f"{key}/passed/{r}" for r in others], timedelta(seconds=PATIENT))
 
 
 @pytest.mark.parametrize("how", ["raises", "killed"])
@@ -226,7 +227,7 @@ def test_a_failing_or_killed_rank_makes_every_rank_raise_and_commits_nothing(
     shared_dir: Path, how: str
 ) -> None:
     root = shared_dir / "ckpts"
-    results = run_ranks(_one_rank_fails, 4, str(root), how, timeout=200, check=False)
+    results = run_ranks(_one_rank_fails, 4, str(root), how, timeout=RUN, check=False)
     for r in results:
         if r.rank == 2:
             if how == "raises":
@@ -333,7 +334,7 @@ def _dcp_inside_replicated(rank: int, world: int, target: str) -> str:
     import torch.distributed.checkpoint as dcp
 
     try:
-        with safeio.replicated(target, timeout=60) as stage:
+        with safeio.replicated(target, timeout=PATIENT) as stage:
             dcp.save(_state(1), checkpoint_id=stage.path)  # the misuse: sharded state, one writer kept
     except safeio.UnsupportedSaveError as exc:
         outcome = f"refused: {exc}"
@@ -348,7 +349,7 @@ def _dcp_inside_replicated(rank: int, world: int, target: str) -> str:
 def test_dcp_inside_replicated_is_refused_on_every_rank(shared_dir: Path) -> None:
     """It used to "work": rank 0's shard promoted, the other ranks' dropped, verify ok, resume broken."""
     target = shared_dir / "ckpt"
-    results = run_ranks(_dcp_inside_replicated, 4, str(target), timeout=200)
+    results = run_ranks(_dcp_inside_replicated, 4, str(target), timeout=RUN)
     assert results[0].value.startswith("refused: ") and "safeio.Checkpoints" in results[0].value
     for r in results[1:]:
         assert r.value.startswith("remote UnsupportedSaveError: "), r
@@ -357,7 +358,7 @@ def test_dcp_inside_replicated_is_refused_on_every_rank(shared_dir: Path) -> Non
 
 def _per_rank_files_in_replicated(rank: int, world: int, target: str) -> str:
     try:
-        with safeio.replicated(target, timeout=60) as stage:
+        with safeio.replicated(target, timeout=PATIENT) as stage:
             Path(stage.path, "config.json").write_text("{}")
             Path(stage.path, f"rank{rank}.pt").write_text(str(rank))  # per-rank data
     except safeio.UnsupportedSaveError as exc:
@@ -370,7 +371,7 @@ def _per_rank_files_in_replicated(rank: int, world: int, target: str) -> str:
 
 def test_per_rank_files_in_replicated_are_named_on_the_rank_that_would_lose_them(shared_dir: Path) -> None:
     target = shared_dir / "out"
-    results = run_ranks(_per_rank_files_in_replicated, 3, str(target), timeout=200)
+    results = run_ranks(_per_rank_files_in_replicated, 3, str(target), timeout=RUN)
     assert results[0].value == "saved"  # the writer's own files are all there
     for r in results[1:]:
         assert r.value.startswith("refused: ") and f"rank{r.rank}.pt" in r.value, r
@@ -405,7 +406,7 @@ def test_safeio_ls_lists_committed_partial_and_in_progress(tmp_path: Path) -> No
             [sys.executable, "-m", "safeio", "ls", "--json", str(root)],
             capture_output=True,
             text=True,
-            timeout=60,
+            timeout=PATIENT,
         )
     finally:
         live.__exit__(None, None, None)
@@ -426,14 +427,14 @@ def test_safeio_ls_lists_committed_partial_and_in_progress(tmp_path: Path) -> No
     assert report["latest"] == "step_2" and report["latest_ok"] is True
     (root / "latest").write_text("step_3")  # a pointer to an incomplete step: flagged
     done = subprocess.run(
-        [sys.executable, "-m", "safeio", "ls", str(root)], capture_output=True, text=True, timeout=60
+        [sys.executable, "-m", "safeio", "ls", str(root)], capture_output=True, text=True, timeout=PATIENT
     )
     assert done.returncode == 1 and "not a committed checkpoint" in done.stdout, done.stdout
     assert "the next committed save rewrites it" in done.stdout
     # verify judges what it can check and says what it cannot: the incomplete ones and the damaged step
     # are problems, the complete ones written without safeio are listed as not checked.
     done = subprocess.run(
-        [sys.executable, "-m", "safeio", "verify", str(root)], capture_output=True, text=True, timeout=60
+        [sys.executable, "-m", "safeio", "verify", str(root)], capture_output=True, text=True, timeout=PATIENT
     )
     problems = [line for line in done.stdout.splitlines() if line.startswith("  step_")]
     assert done.returncode == 1 and sorted(p.split(":")[0].strip() for p in problems) == [
@@ -458,7 +459,7 @@ def _gated_writer(path: str, key: str, fail: bool = False) -> Any:
     class Gated(FileSystemWriter):
         def write_data(self, plan: Any, planner: Any) -> Any:
             # Its own connection: a wait holds up every other call on the same TCPStore client.
-            c10d._get_default_store().clone().wait([key], timedelta(seconds=60))
+            c10d._get_default_store().clone().wait([key], timedelta(seconds=PATIENT))
             if fail:
                 raise OSError(28, "No space left on device (rank's async upload)")
             return super().write_data(plan, planner)
@@ -485,7 +486,7 @@ def _async_loop(rank: int, world: int, root: str) -> dict[str, Any]:
         store.set("plain-go", "1")
     fut.result()
 
-    ckpts = safeio.Checkpoints(os.path.join(root, "ckpts"), keep=2, timeout=60)
+    ckpts = safeio.Checkpoints(os.path.join(root, "ckpts"), keep=2, timeout=PATIENT)
     dispatch: dict[int, Any] = {}
     for step in (1, 2):
         with ckpts.save(step) as ckpt:
@@ -522,7 +523,7 @@ def _read_latest(root: str) -> str | None:
 
 
 def test_async_save_commits_when_its_future_completes(shared_dir: Path) -> None:
-    results = run_ranks(_async_loop, 4, str(shared_dir), timeout=300)
+    results = run_ranks(_async_loop, 4, str(shared_dir), timeout=RUN)
     assert results[0].value["plain_metadata_at_dispatch"] is False  # the failure: latest -> no .metadata
     for r in results:
         v = r.value
@@ -559,14 +560,14 @@ def test_verify_and_gc_understand_a_checkpoint_root(tmp_path: Path) -> None:
             Path(ckpt.path, "w.bin").write_bytes(b"x" * 1000)
     child = multiprocessing.get_context("fork").Process(target=_die_inside_a_save, args=(str(root),))
     child.start()
-    child.join(60)
+    child.join(PATIENT)
     assert child.exitcode == 9
     stages = [n for n in os.listdir(root) if n.startswith(".step_4.safeio-stage")]
     assert len(stages) == 1
 
     def cli(*args: str) -> subprocess.CompletedProcess[str]:
         return subprocess.run(
-            [sys.executable, "-m", "safeio", *args], capture_output=True, text=True, timeout=60
+            [sys.executable, "-m", "safeio", *args], capture_output=True, text=True, timeout=PATIENT
         )
 
     done = cli("verify", str(root))
@@ -634,7 +635,7 @@ def _counting_tokenizer(fail_on_writer: bool = False) -> Any:
 def _replicated_saves_in_a_checkpoint(rank: int, world: int, root: str) -> dict[str, Any]:
     import torch.distributed.checkpoint as dcp
 
-    ckpts = safeio.Checkpoints(root, keep=3, timeout=60)
+    ckpts = safeio.Checkpoints(root, keep=3, timeout=PATIENT)
     every, guarded, failing = _counting_tokenizer(), _counting_tokenizer(), _counting_tokenizer(True)
     with ckpts.save(1) as ckpt:
         dcp.save(_state(1), checkpoint_id=ckpt.path)
@@ -664,7 +665,7 @@ def test_peers_in_a_checkpoint_skip_replicated_saves_and_return_the_writers_resu
     deleted, and returned paths in that scratch); it returns what the writer's call returned, and raises
     when the writer's save failed."""
     root = shared_dir / "ckpts"
-    results = run_ranks(_replicated_saves_in_a_checkpoint, 4, str(root), timeout=200)
+    results = run_ranks(_replicated_saves_in_a_checkpoint, 4, str(root), timeout=RUN)
     writer = results[0].value
     assert writer["calls"] == 1
     assert writer["returned"] and all(p.startswith(str(root) + "/.step_1.") for p in writer["returned"])
@@ -697,7 +698,7 @@ def _fsyncs_per_rank(rank: int, world: int, root: str) -> dict[str, Any]:
 
     os.fsync = recording_fsync  # type: ignore[assignment]
     try:
-        ckpts = safeio.Checkpoints(root, timeout=60)
+        ckpts = safeio.Checkpoints(root, timeout=PATIENT)
         with ckpts.save(1) as ckpt:
             writer = dcp.FileSystemWriter(ckpt.path, sync_files=False)
             dcp.save(_state(1), storage_writer=writer)
@@ -713,7 +714,7 @@ def test_each_rank_syncs_its_share_of_a_durable_checkpoint(shared_dir: Path) -> 
     the ranks, which sync their shares at once; the writer syncs its own share and the manifest, not
     every rank's files one after another (on main it synced all of them, and no other rank any)."""
     root = shared_dir / "ckpts"
-    results = run_ranks(_fsyncs_per_rank, 4, str(root), timeout=200)
+    results = run_ranks(_fsyncs_per_rank, 4, str(root), timeout=RUN)
     synced = {r.rank: r.value["synced"] for r in results}
     step = root / "step_1"
     files = sorted(
@@ -751,7 +752,7 @@ def _async_commit_connects_off_the_training_thread(rank: int, world: int, root: 
 
     clones: list[str] = []
     group = safeio.Group(rank, world, store=_CloneRecordingStore(c10d._get_default_store(), clones))
-    ckpts = safeio.Checkpoints(root, group=group, timeout=60)
+    ckpts = safeio.Checkpoints(root, group=group, timeout=PATIENT)
     upload: concurrent.futures.Future[None] = concurrent.futures.Future()
     with ckpts.save(1) as ckpt:
         safeio.torch_save({"step": 1}, os.path.join(ckpt.path, "trainer_state.pt"))
@@ -768,7 +769,7 @@ def test_an_async_commit_connects_to_the_store_on_its_own_thread(shared_dir: Pat
     is made on the commit's thread once the upload is done, not on the training thread at the end of the
     ``with`` block (on main every rank's training thread made it there)."""
     results = run_ranks(
-        _async_commit_connects_off_the_training_thread, 2, str(shared_dir / "ckpts"), timeout=120
+        _async_commit_connects_off_the_training_thread, 2, str(shared_dir / "ckpts"), timeout=RUN
     )
     for r in results:
         assert r.value["before"] == [], r  # nothing connected while training went on

@@ -20,6 +20,7 @@ import pytest
 import safeio
 from safeio._storage.names import host_tag
 from safeio.cli._states import ABOUT, State
+from tests._bounds import PATIENT
 from tests._cli_docs import docs_table
 
 OTHER = 65534
@@ -37,14 +38,14 @@ def test_the_docs_table_of_states_is_the_codes_vocabulary() -> None:
 
 def cli_json(*args: str) -> tuple[int, dict[str, Any]]:
     done = subprocess.run(
-        [sys.executable, "-m", "safeio", *args, "--json"], capture_output=True, text=True, timeout=120
+        [sys.executable, "-m", "safeio", *args, "--json"], capture_output=True, text=True, timeout=PATIENT
     )
     return done.returncode, json.loads(done.stdout)
 
 
 def cli_text(*args: str) -> tuple[int, str]:
     done = subprocess.run(
-        [sys.executable, "-m", "safeio", *args], capture_output=True, text=True, timeout=120
+        [sys.executable, "-m", "safeio", *args], capture_output=True, text=True, timeout=PATIENT
     )
     return done.returncode, done.stdout + done.stderr
 
@@ -72,7 +73,7 @@ def every_kind_of_entry(root: Path) -> Iterator[dict[str, str]]:
     (trainer / "model.safetensors").write_bytes(b"w")
     child = multiprocessing.get_context("fork").Process(target=_die_inside_a_save, args=(str(root), 5))
     child.start()
-    child.join(60)
+    child.join(PATIENT)
     assert child.exitcode == 9
     (dead,) = [n for n in os.listdir(root) if n.startswith(".step_5.safeio-stage-")]
     far = f".step_6.safeio-stage-{host_tag('another-host')}-4242-0badc0de"

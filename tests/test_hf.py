@@ -12,6 +12,7 @@ import pytest
 import safeio
 from safeio.testing import hf_objects
 from safeio.testing.ranks import run_ranks
+from tests._bounds import PATIENT, RUN
 from tests.test_ranks import _watch_writes
 
 pytest.importorskip("transformers")
@@ -148,7 +149,7 @@ def _all_ranks_save(rank: int, world: int, target: str) -> dict[str, Any]:
 
     tok = hf_objects.fast_tokenizer()
     writes = _watch_writes(os.path.dirname(target))
-    paths = safeio.save_pretrained(tok, target, timeout=60)
+    paths = safeio.save_pretrained(tok, target, timeout=PATIENT)
     loaded = AutoTokenizer.from_pretrained(target)
     return {"paths": paths, "writes": list(writes), "ids": loaded("hello world")["input_ids"]}
 
@@ -169,7 +170,7 @@ def _fake_rank(rank: int, port: int, target: str) -> Any:
 
     import torch.distributed as dist
 
-    store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=30))
+    store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=PATIENT))
     tok = hf_objects.fast_tokenizer()
     calls: list[str] = []
     real = tok.save_pretrained
@@ -187,7 +188,7 @@ def _fake_rank(rank: int, port: int, target: str) -> Any:
 def _group_save(tok: Any, target: str, group: safeio.Group) -> Any:
     # Every "rank" saves from this one line, as real ranks running one program do: a save is known
     # across ranks by the object's type and the line that makes it.
-    return safeio.save_pretrained(tok, target, group=group, timeout=60)
+    return safeio.save_pretrained(tok, target, group=group, timeout=PATIENT)
 
 
 def test_large_world_fake_group(shared_dir: Path) -> None:
@@ -197,17 +198,17 @@ def test_large_world_fake_group(shared_dir: Path) -> None:
 
     import torch.distributed as dist
 
-    master = dist.TCPStore("127.0.0.1", 0, is_master=True, timeout=timedelta(seconds=30))
+    master = dist.TCPStore("127.0.0.1", 0, is_master=True, timeout=timedelta(seconds=PATIENT))
     target = str(shared_dir / "tok")
     ctx = mp.get_context("forkserver")
     with ctx.Pool(3) as pool:
         pending = [pool.apply_async(_fake_rank, (r, master.port, target)) for r in (1, 7, 31)]
-        master.wait(["entered"], timedelta(seconds=60))
+        master.wait(["entered"], timedelta(seconds=PATIENT))
         while int(master.add("entered", 0)) < 3:
             master.wait(["entered"], timedelta(seconds=1))
         assert not any(p.ready() for p in pending)  # they are waiting for the writer
         paths = _group_save(hf_objects.fast_tokenizer(), target, safeio.Group(0, 32, store=master))
-        results = [p.get(timeout=60) for p in pending]
+        results = [p.get(timeout=PATIENT) for p in pending]
     for result in results:
         assert result["calls"] == []
         assert result["paths"] == paths
@@ -215,7 +216,7 @@ def test_large_world_fake_group(shared_dir: Path) -> None:
 
 def _patched_all_ranks(rank: int, world: int, target: str) -> int:
     tok = hf_objects.fast_tokenizer()
-    with safeio.patch_save_pretrained(timeout=60):
+    with safeio.patch_save_pretrained(timeout=PATIENT):
         tok.save_pretrained(target)  # unmodified code, as in the hang
         hf_objects.processor().save_pretrained(target)  # nested: the processor saves its tokenizer
     return len(os.listdir(target))
@@ -244,8 +245,9 @@ def _patched_rank0_only(rank: int, world: int, target: str) -> float:
 
 def test_patch_rank0_only_returns_promptly(shared_dir: Path) -> None:
     target = str(shared_dir / "tok")
-    results = run_ranks(_patched_rank0_only, 4, target, timeout=100)
-    assert results[0].value < 100  # a patch that waited for peers would hang past the run's 100 s
+    results = run_ranks(_patched_rank0_only, 4, target, timeout=RUN)
+    # A patch that waited for peers would wait out its 120 s timeout and fail the run (PeerTimeout).
+    assert results[0].value < 100
     assert safeio.is_complete(target)
 
 
@@ -299,9 +301,9 @@ def _bad_input_ranks(rank: int, world: int, shared: str) -> list[str]:
     dist.barrier()
     out = []
     for call in (
-        lambda: safeio.save_pretrained(hf_objects.config(), os.path.join(shared, "afile"), timeout=30),
+        lambda: safeio.save_pretrained(hf_objects.config(), os.path.join(shared, "afile"), timeout=PATIENT),
         lambda: safeio.save_pretrained(hf_objects.config(), os.path.join(shared, "x"), push_to_hub=True),
-        lambda: safeio.save_pretrained(object(), os.path.join(shared, "y"), timeout=30),
+        lambda: safeio.save_pretrained(object(), os.path.join(shared, "y"), timeout=PATIENT),
     ):
         try:
             call()
@@ -323,7 +325,7 @@ def test_bad_input_on_every_rank(shared_dir: Path) -> None:
 
 def _model_every_rank(rank: int, world: int, target: str) -> list[str]:
     model = hf_objects.tiny_model(seed=rank)  # different weights per rank: only the writer's must land
-    safeio.save_pretrained(model, target, timeout=60)
+    safeio.save_pretrained(model, target, timeout=PATIENT)
     return sorted(os.listdir(target))
 
 
@@ -352,7 +354,7 @@ def _trainer_run(rank: int, world: int, output_dir: str) -> list[str]:
         save_only_model=True,
         ddp_backend="gloo",
     )
-    with safeio.patch_save_pretrained(timeout=120):
+    with safeio.patch_save_pretrained(timeout=PATIENT):
         trainer = Trainer(
             model=hf_objects.tiny_model(),
             args=args,
@@ -367,7 +369,7 @@ def test_trainer_with_the_patch_leaves_loadable_checkpoints(shared_dir: Path) ->
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     output = str(shared_dir / "run")
-    results = run_ranks(_trainer_run, 2, output, timeout=400)
+    results = run_ranks(_trainer_run, 2, output, timeout=RUN)
     assert results[0].value == results[1].value
     assert {"checkpoint-1", "checkpoint-2"} <= set(results[0].value)
     for step in (1, 2):

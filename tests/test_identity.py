@@ -28,6 +28,7 @@ import safeio
 from safeio.testing import hf_objects
 from safeio.testing.nfslike import Mount
 from safeio.testing.ranks import run_ranks
+from tests._bounds import PATIENT, RUN
 from tests.test_nfs_proof import _enter_client_b
 
 HOLD = 1.0  # how long rank 0 holds its tokenizer save back, waiting for a peer that returned early
@@ -75,7 +76,7 @@ def _save_tokenizer(target: str) -> None:
 def _shape(rank: int, world: int, target: str, shape: str, clients: tuple[str, str] | None) -> dict[str, Any]:
     if clients is not None and rank % 2 == 1:
         _enter_client_b(*clients)  # odd ranks are the second NFS client, with its own caches
-    with safeio.patch_save_pretrained(timeout=60):
+    with safeio.patch_save_pretrained(timeout=PATIENT):
         if shape == "guarded-then-every-rank":  # the ending of HF's and accelerate's example scripts
             if rank == 0:
                 hf_objects.config().save_pretrained(target)
@@ -120,7 +121,7 @@ def _shape(rank: int, world: int, target: str, shape: str, clients: tuple[str, s
             _hold_for_early_peers(rank)
             _save_tokenizer(target)
             seen = _check_returned(rank, target)
-            background.join(timeout=60)
+            background.join(timeout=PATIENT)
             return seen
     raise ValueError(shape)
 
@@ -149,7 +150,7 @@ def _assert_every_rank_saw_its_save(results: list[Any]) -> None:
 @pytest.mark.parametrize("shape", SHAPES)
 def test_shapes_on_local_disk(shared_dir: Path, shape: str) -> None:
     target = str(shared_dir / "out")
-    _assert_every_rank_saw_its_save(run_ranks(_shape, 2, target, shape, None, timeout=180))
+    _assert_every_rank_saw_its_save(run_ranks(_shape, 2, target, shape, None, timeout=RUN))
 
 
 @pytest.mark.fuse_opts(attr_timeout=2.0, entry_timeout=2.0, negative_timeout=2.0)
@@ -158,7 +159,7 @@ def test_shapes_on_two_nfs_clients(nfslike_clients: tuple[Mount, Mount], shape: 
     a, b = nfslike_clients
     target = str(a.path / "out")
     # Rank 1 is the second client: it sees the writer's directory through its own stale caches.
-    results = run_ranks(_shape, 2, target, shape, (str(a.path), str(b.path)), timeout=240)
+    results = run_ranks(_shape, 2, target, shape, (str(a.path), str(b.path)), timeout=RUN)
     _assert_every_rank_saw_its_save(results)
 
 
@@ -168,7 +169,7 @@ def _peer_waits_for_a_save_nobody_makes(rank: int, world: int, target: str) -> d
             config = hf_objects.config()
             config.save_pretrained(target)  # rank 0 never saves the tokenizer
             # Stay (bounded) until the peer has timed out: rank 0 hosts the store the peer asks.
-            _store().wait(["peer-done"], timedelta(seconds=60))
+            _store().wait(["peer-done"], timedelta(seconds=PATIENT))
             return {"config": type(config).__qualname__}
         tokenizer = hf_objects.fast_tokenizer()
         try:
@@ -182,7 +183,7 @@ def _peer_waits_for_a_save_nobody_makes(rank: int, world: int, target: str) -> d
 
 def test_a_save_nobody_makes_times_out_saying_what_it_waited_for(shared_dir: Path) -> None:
     target = str(shared_dir / "out")
-    writer, peer = run_ranks(_peer_waits_for_a_save_nobody_makes, 2, target, timeout=120)
+    writer, peer = run_ranks(_peer_waits_for_a_save_nobody_makes, 2, target, timeout=RUN)
     message = peer.value["message"]
     # Which save it waited for (the object's type and the line) ...
     assert peer.value["tokenizer"] in message and "_peer_waits_for_a_save_nobody_makes" in message, message
@@ -220,7 +221,7 @@ def _trainer_ending(rank: int, world: int, out: str) -> dict[str, Any]:
     )
     tokenizer = hf_objects.fast_tokenizer()
     final = os.path.join(out, "final")
-    with safeio.patch_save_pretrained(timeout=120):
+    with safeio.patch_save_pretrained(timeout=PATIENT):
         trainer = Trainer(
             model=hf_objects.tiny_model(), args=args, train_dataset=_Tiny(), processing_class=tokenizer
         )
@@ -234,7 +235,7 @@ def _trainer_ending(rank: int, world: int, out: str) -> dict[str, Any]:
 
 
 def test_trainer_save_model_then_every_rank_tokenizer_save(shared_dir: Path) -> None:
-    results = run_ranks(_trainer_ending, 2, str(shared_dir / "run"), timeout=400)
+    results = run_ranks(_trainer_ending, 2, str(shared_dir / "run"), timeout=RUN)
     _assert_every_rank_saw_its_save(results)
 
 
@@ -249,7 +250,7 @@ def _accelerate_loop(rank: int, world: int, out: str) -> dict[str, Any]:
     model, optimizer = accelerator.prepare(model, optimizer)
     tokenizer = hf_objects.fast_tokenizer()
     seen: dict[str, Any] = {}
-    with safeio.patch_save_pretrained(timeout=120):
+    with safeio.patch_save_pretrained(timeout=PATIENT):
         for step in range(2):
             checkpoint = os.path.join(out, f"step_{step}")
             accelerator.save_state(checkpoint)
@@ -272,7 +273,7 @@ def _accelerate_loop(rank: int, world: int, out: str) -> dict[str, Any]:
 
 
 def test_accelerate_save_state_loops_and_final_save(shared_dir: Path) -> None:
-    results = run_ranks(_accelerate_loop, 4, str(shared_dir / "run"), timeout=400)
+    results = run_ranks(_accelerate_loop, 4, str(shared_dir / "run"), timeout=RUN)
     for r in results:
         for where, seen in r.value.items():
             assert seen["present"] == list(TOKENIZER_FILES), (r.rank, where, seen)

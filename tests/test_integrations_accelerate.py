@@ -15,6 +15,7 @@ import safeio
 from safeio.cli import main
 from safeio.testing.nfslike import Mount
 from safeio.testing.ranks import run_ranks
+from tests._bounds import PATIENT, RUN
 from tests.test_checkpoints import _every_rank_past_dcp
 
 pytest.importorskip("accelerate")
@@ -71,7 +72,7 @@ def _loop(rank: int, world: int, root: str, steps: int, die: tuple[int, int] | N
     from safeio.integrations import accelerate as safe_accelerate
 
     accelerator, model, optimizer = _setup(root)
-    ckpts = safe_accelerate.checkpoints_for(accelerator, timeout=4 if die else 60)
+    ckpts = safe_accelerate.checkpoints_for(accelerator, timeout=4 if die else PATIENT)
     resumed = safe_accelerate.load_state(accelerator, ckpts)
     start = resumed.step + 1 if resumed else 0
     weights: dict[int, Any] = {}
@@ -119,7 +120,7 @@ def _loop(rank: int, world: int, root: str, steps: int, die: tuple[int, int] | N
 
 def test_save_state_commits_once_and_resumes(nfslike_mount: Mount) -> None:
     root = str(nfslike_mount.path / "project")
-    results = run_ranks(_loop, 2, root, 3, None, timeout=300)
+    results = run_ranks(_loop, 2, root, 3, None, timeout=RUN)
     for r in results:
         assert r.value == {"resumed": None, "latest": 2, "same": True, "error": None}, r
     ckpts = Path(root, "checkpoints")
@@ -133,13 +134,13 @@ def test_save_state_commits_once_and_resumes(nfslike_mount: Mount) -> None:
     assert safeio.verify(ckpts / "checkpoint_2") == []
     assert nfslike_mount.hazards() == []  # scaler.pt and dl_state_dict.bin written once
     # A second job resumes from the newest committed checkpoint and numbers on from it.
-    results = run_ranks(_loop, 2, root, 1, None, timeout=300)
+    results = run_ranks(_loop, 2, root, 1, None, timeout=RUN)
     assert [r.value["resumed"] for r in results] == [2, 2] and [r.value["latest"] for r in results] == [3, 3]
 
 
 def test_a_rank_killed_in_save_state_leaves_the_previous_checkpoint(shared_dir: Path) -> None:
     root = str(shared_dir / "project")
-    results = run_ranks(_loop, 2, root, 3, (1, 2), timeout=300, check=False)
+    results = run_ranks(_loop, 2, root, 3, (1, 2), timeout=RUN, check=False)
     assert results[1].error is not None  # rank 1 died in checkpoint_2's save_state
     survivor = results[0].value
     assert results[0].error is None, results[0].traceback
@@ -150,7 +151,7 @@ def test_a_rank_killed_in_save_state_leaves_the_previous_checkpoint(shared_dir: 
         "checkpoint_1",
     ]
     # The restarted job resumes from checkpoint_1, loads exactly it, and saves checkpoint_2 anew.
-    results = run_ranks(_loop, 2, root, 1, None, timeout=300)
+    results = run_ranks(_loop, 2, root, 1, None, timeout=RUN)
     for r in results:
         assert r.value == {"resumed": 1, "latest": 2, "same": True, "error": None}, r
 
@@ -178,7 +179,7 @@ def _retention(rank: int, world: int, root: str) -> dict[str, Any]:
 def test_save_state_keeps_the_scripts_retention_unless_keep_was_given(shared_dir: Path) -> None:
     """A ``safeio.Checkpoints(root)`` passed as ``ckpts=`` used to retire at its default keep=3 whatever
     the script's ``total_limit`` said (main: [1, 2, 3] kept of a keep-all script's four)."""
-    results = run_ranks(_retention, 2, str(shared_dir / "project"), timeout=300)
+    results = run_ranks(_retention, 2, str(shared_dir / "project"), timeout=RUN)
     for r in results:
         assert r.value == {
             "keep all": ([0, 1, 2, 3], 3),  # total_limit=None: every checkpoint stays; ckpts as given
@@ -237,7 +238,7 @@ def test_load_state_uses_a_complete_checkpoint_written_without_safeio_and_skips_
     job started again from step 0 over checkpoints of its own; ``safeio ls`` did not list accelerate's
     ``checkpoint_<N>`` at all."""
     root = str(nfslike_mount.path / "project")
-    plain = run_ranks(_resume_over_plain, 2, root, "plain", timeout=300, check=False)
+    plain = run_ranks(_resume_over_plain, 2, root, "plain", timeout=RUN, check=False)
     assert plain[1].error is not None and plain[0].error is None, plain[0].traceback
     checkpoints = Path(root, "checkpoints")
     killed = checkpoints / "checkpoint_2"  # rank 1 died as it began: rank 0's files only
@@ -263,7 +264,7 @@ def test_load_state_uses_a_complete_checkpoint_written_without_safeio_and_skips_
             "accelerate's random states of 1 of the 2 ranks its other checkpoints have",
         ),
     }, states
-    results = run_ranks(_resume_over_plain, 2, root, "resume", timeout=300)
+    results = run_ranks(_resume_over_plain, 2, root, "resume", timeout=RUN)
     for r in results:
         assert r.value["found"] == (0, "checkpoint_0", False), r
         assert r.value["weights"] == plain[0].value["saved"][0], r

@@ -12,6 +12,7 @@ import pytest
 from safeio import InvalidTargetError
 from safeio.testing.nfslike import Mount
 from safeio.testing.ranks import run_ranks
+from tests._bounds import RUN
 
 pytest.importorskip("lightning")
 
@@ -108,7 +109,7 @@ def _fit(
 
 def test_ddp_checkpoints_are_atomic_and_resume(nfslike_mount: Mount) -> None:
     root = str(nfslike_mount.path / "ckpt")
-    results = run_ranks(_fit, 2, root, 4, False, None, True, timeout=240)
+    results = run_ranks(_fit, 2, root, 4, False, None, True, timeout=RUN)
     for r in results:
         assert r.value["step"] == 4 and r.value["last_step"] == 4 and r.value["same"], r
         assert r.value["link"] == "epoch=0-step=4.ckpt", r  # a relative link, replaced atomically
@@ -121,20 +122,20 @@ def test_ddp_checkpoints_are_atomic_and_resume(nfslike_mount: Mount) -> None:
     assert [n for n in names if ".safeio-" in n] == []  # no temporary file, no removal left behind
     assert nfslike_mount.hazards() == []
     # Resume from last.ckpt on both ranks.
-    results = run_ranks(_fit, 2, root, 6, True, None, True, timeout=240)
+    results = run_ranks(_fit, 2, root, 6, True, None, True, timeout=RUN)
     assert [(r.value["started_at"], r.value["step"]) for r in results] == [(4, 6), (4, 6)]
 
 
 def test_a_kill_during_a_save_leaves_the_previous_checkpoint_to_resume(tmp_path: Path) -> None:
     root = str(tmp_path / "ckpt")
-    died = run_ranks(_fit, 1, root, 5, False, 3, False, timeout=240, check=False)
+    died = run_ranks(_fit, 1, root, 5, False, 3, False, timeout=RUN, check=False)
     assert died[0].error is not None  # killed inside torch.save of step 3's checkpoint
     names = sorted(os.listdir(root))
     assert "epoch=0-step=3.ckpt" not in names  # never a torn file under the final name
     assert os.readlink(os.path.join(root, "last.ckpt")) == "epoch=0-step=2.ckpt"
     left = [n for n in names if n.startswith(".epoch=0-step=3.ckpt.safeio-tmp-")]
     assert len(left) == 1, names  # the killed save's temporary file
-    resumed = run_ranks(_fit, 1, root, 4, True, None, False, timeout=240)
+    resumed = run_ranks(_fit, 1, root, 4, True, None, False, timeout=RUN)
     assert resumed[0].value["started_at"] == 2 and resumed[0].value["step"] == 4
     # The next save in that directory (of another checkpoint) removed it: its writer is gone.
     assert [n for n in os.listdir(root) if ".safeio-" in n] == []
@@ -147,8 +148,8 @@ def test_resume_keeps_the_best_checkpoint_across_the_two_callbacks(
     """A run ModelCheckpoint wrote resumes under SafeModelCheckpoint with its best path, and back; the
     plain-to-plain pair is Lightning's own behaviour, which the drop-in must match."""
     root = str(tmp_path / "ckpt")
-    run_ranks(_fit, 1, root, 3, False, None, False, first, timeout=240)
-    resumed = run_ranks(_fit, 1, root, 4, True, None, False, then, timeout=240)
+    run_ranks(_fit, 1, root, 3, False, None, False, first, timeout=RUN)
+    resumed = run_ranks(_fit, 1, root, 4, True, None, False, then, timeout=RUN)
     assert resumed[0].value["started_at"] == 3
     assert resumed[0].value["best_at_start"] == "epoch=0-step=3.ckpt", resumed[0].value
 
@@ -159,7 +160,7 @@ def test_a_directory_at_the_link_path_is_refused_by_name(tmp_path: Path) -> None
     (root / "last.ckpt" / "kept").write_text("someone's file")
     # Without the version counter, Lightning links last.ckpt itself instead of making last-v1.ckpt.
     options = {"enable_version_counter": False}
-    failed = run_ranks(_fit, 1, str(root), 2, False, None, False, "safe", options, timeout=240, check=False)
+    failed = run_ranks(_fit, 1, str(root), 2, False, None, False, "safe", options, timeout=RUN, check=False)
     error = failed[0].error
     assert isinstance(error, InvalidTargetError) and str(root / "last.ckpt") in str(error), failed
     assert (root / "last.ckpt" / "kept").read_text() == "someone's file"
@@ -174,7 +175,7 @@ def test_a_share_without_symlinks_gets_last_ckpt_as_a_copy(nfslike_mount: Mount,
     so does SafeModelCheckpoint, atomically: Lightning's own test_model_checkpoint_link_checkpoint checks
     this after its directory case, which the drop-in refuses, so it never got that far."""
     root = str(nfslike_mount.path / "ckpt")
-    [result] = run_ranks(_fit, 1, root, 3, False, None, False, callback, timeout=240)
+    [result] = run_ranks(_fit, 1, root, 3, False, None, False, callback, timeout=RUN)
     assert result.value["link"] is None and result.value["same"] and result.value["last_step"] == 3
     assert [n for n in os.listdir(root) if ".safeio-" in n] == []
 

@@ -13,6 +13,7 @@ import safeio
 from safeio.testing import hf_objects
 from safeio.testing.nfslike import Mount
 from safeio.testing.ranks import run_ranks
+from tests._bounds import PATIENT, RUN
 from tests.test_checkpoints import _every_rank_past_dcp
 
 
@@ -63,7 +64,7 @@ def _run(
         report_to=[],
         ddp_backend="gloo",
     )
-    safeio_options = {} if plain else {"safeio_timeout": 2.5 if die_at is not None else 30}
+    safeio_options = {} if plain else {"safeio_timeout": 2.5 if die_at is not None else PATIENT}
     trainer = MyTrainer(
         model=hf_objects.tiny_model(),
         args=args,
@@ -91,7 +92,7 @@ def test_trainer_checkpoints_are_committed_rotated_and_resumed(nfslike_mount: Mo
     from safeio.integrations.transformers import get_last_checkpoint
 
     output = str(nfslike_mount.path / "run")
-    results = run_ranks(_run, 2, output, 3, False, None, timeout=300)
+    results = run_ranks(_run, 2, output, 3, False, None, timeout=RUN)
     assert [r.value["step"] for r in results] == [3, 3]
     assert _checkpoints(output) == ["checkpoint-2", "checkpoint-3"]  # save_total_limit=2, after commits
     newest = Path(output, "checkpoint-3")
@@ -107,17 +108,17 @@ def test_trainer_checkpoints_are_committed_rotated_and_resumed(nfslike_mount: Mo
     Path(output, "checkpoint-4", "model.safetensors").write_bytes(b"torn")
     assert get_last_checkpoint(output) == str(newest)
     shutil.rmtree(Path(output, "checkpoint-4"))  # safeio never overwrites what it did not write
-    results = run_ranks(_run, 2, output, 5, True, None, timeout=300)
+    results = run_ranks(_run, 2, output, 5, True, None, timeout=RUN)
     assert [(r.value["started_at"], r.value["step"]) for r in results] == [(3, 5), (3, 5)]
 
 
 def test_a_rank_killed_during_a_trainer_save_leaves_the_previous_checkpoint(shared_dir: Path) -> None:
     output = str(shared_dir / "run")
-    results = run_ranks(_run, 2, output, 4, False, 3, timeout=300, check=False)
+    results = run_ranks(_run, 2, output, 4, False, 3, timeout=RUN, check=False)
     assert results[1].error is not None and results[0].error is None, results[0].traceback
     assert "rank 1 never reported" in results[0].value["error"], results[0].value
     assert _checkpoints(output) == ["checkpoint-1", "checkpoint-2"]  # nothing of step 3 committed
-    results = run_ranks(_run, 2, output, 4, True, None, timeout=300)
+    results = run_ranks(_run, 2, output, 4, True, None, timeout=RUN)
     assert [(r.value["started_at"], r.value["step"]) for r in results] == [(2, 4), (2, 4)]
 
 
@@ -180,10 +181,10 @@ def test_checkpoints_written_without_safeio_are_never_silently_ignored(
 
     output = str(nfslike_mount.path / "run")
     # The plain Trainer (no safeio) saved checkpoint-2 and checkpoint-3 (save_total_limit=2).
-    run_ranks(_run, 2, output, 3, False, None, True, timeout=300)
+    run_ranks(_run, 2, output, 3, False, None, True, timeout=RUN)
     assert _checkpoints(output) == ["checkpoint-2", "checkpoint-3"]
     # Restarted with the mixin: it resumes from the plain Trainer's last checkpoint, saying so.
-    results = run_ranks(_run, 2, output, 4, True, None, timeout=300)
+    results = run_ranks(_run, 2, output, 4, True, None, timeout=RUN)
     assert [(r.value["started_at"], r.value["step"]) for r in results] == [(3, 4), (3, 4)]
     plain = os.path.join(output, "checkpoint-3")
     assert [w for w in results[0].value["warnings"] if plain in w and "safeio did not commit" in w], results

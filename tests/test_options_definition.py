@@ -21,6 +21,7 @@ import safeio
 from safeio._options import ENTRY_POINTS, LOCK_KINDS, MODES, OPTIONS, LockKind, Mode, SaveOptions
 from safeio._saves.hf_patch import SaveRouting
 from safeio.testing.ranks import run_ranks
+from tests._bounds import PATIENT, RUN
 
 PACKAGE = Path(safeio.__file__).resolve().parent
 # Parameters that are what is saved or where, not how: not options.
@@ -138,10 +139,10 @@ def _saves_with_writer_one(rank: int, world: int, root: str, config_dir: str) ->
     from safeio.testing import hf_objects
 
     group = safeio.current_group().with_writer(1)
-    ckpts = safeio.Checkpoints(root, group=group, timeout=120)
+    ckpts = safeio.Checkpoints(root, group=group, timeout=PATIENT)
     with ckpts.save(1) as ckpt, open(os.path.join(ckpt.path, f"part-{rank}.txt"), "w") as f:
         f.write(str(rank))  # every rank writes its own file
-    with safeio.patch_save_pretrained(group=group, timeout=120):
+    with safeio.patch_save_pretrained(group=group, timeout=PATIENT):
         hf_objects.config().save_pretrained(config_dir)  # every rank calls it; rank 1 writes
     latest = ckpts.latest()
     assert latest is not None
@@ -151,7 +152,7 @@ def _saves_with_writer_one(rank: int, world: int, root: str, config_dir: str) ->
 def test_checkpoints_and_the_patch_take_their_writer_from_the_group(tmp_path: Path) -> None:
     # What docs/options.md tells a user who wants another writer where these two take no writer=.
     root, config_dir = tmp_path / "ckpts", tmp_path / "config"
-    results = run_ranks(_saves_with_writer_one, 2, str(root), str(config_dir), timeout=300)
+    results = run_ranks(_saves_with_writer_one, 2, str(root), str(config_dir), timeout=RUN)
     step = Path(results[0].value)
     assert results[1].value == str(step) and sorted(p.name for p in step.glob("part-*")) == [
         "part-0.txt",

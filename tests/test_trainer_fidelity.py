@@ -19,6 +19,7 @@ import pytest
 import safeio
 from safeio.testing import hf_objects
 from safeio.testing.ranks import run_ranks
+from tests._bounds import RUN
 
 
 class _Warnings(logging.Handler):
@@ -94,7 +95,7 @@ def test_a_trainer_saving_steps_already_in_its_output_dir_commits_them_anew(shar
     (the old version whole until then), the newest commit is the latest, and the output directory lists
     the checkpoints and nothing else, as the plain Trainer's does."""
     output = str(shared_dir / "run")
-    results = run_ranks(_rollback_and_rerun, 2, output, timeout=600)
+    results = run_ranks(_rollback_and_rerun, 2, output, timeout=RUN)
     steps = [f"checkpoint-{n}" for n in (1, 2, 3, 4)]
     seen = results[0].value
     assert seen["first run"] == steps, seen
@@ -144,7 +145,7 @@ def test_the_best_checkpoint_and_retention_are_the_trainers(shared_dir: Any) -> 
     """Before, the Trainer's output directory was a view holding the current step alone: it never found
     the best checkpoint saved before the evaluation that made it best (best_model_checkpoint stayed
     None), and retention deleted that checkpoint, which the plain Trainer keeps."""
-    results = run_ranks(_best_model, 2, str(shared_dir / "plain"), str(shared_dir / "patched"), timeout=600)
+    results = run_ranks(_best_model, 2, str(shared_dir / "plain"), str(shared_dir / "patched"), timeout=RUN)
     for rank, result in enumerate(results):
         plain, patched = result.value["plain"], result.value["patched"]
         assert plain == {
@@ -196,7 +197,7 @@ def test_the_just_in_time_checkpoint_and_the_message_of_no_checkpoint_are_the_tr
     a word too."""
     base = shared_dir if where == "local" else request.getfixturevalue("nfslike_mount").path
     output, empty = str(base / "run"), str(base / "empty")
-    results = run_ranks(_jit_and_no_checkpoint, 2, output, empty, timeout=600)
+    results = run_ranks(_jit_and_no_checkpoint, 2, output, empty, timeout=RUN)
     for rank, result in enumerate(results):
         seen = result.value
         assert seen["listing"] == (["checkpoint-2"] if rank == 0 else None) and seen["step"] == 2, seen

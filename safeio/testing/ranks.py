@@ -68,6 +68,8 @@ def _rank_main(
     results: Any,
     go: Any,
     init_timeout: float,
+    leave: Any,
+    run_timeout: float,
 ) -> None:
     os.environ.update(env)
     os.environ.update(
@@ -104,6 +106,11 @@ def _rank_main(
     else:
         results.put((rank, value, None, ""))
     finally:
+        if rank == 0:
+            # Rank 0 hosts the store: it stays until every other rank has reported or ended, as the
+            # store under torchrun (its agent's) outlives the ranks. Leaving at once, it took the store
+            # with it while a peer still read the writer's published answer ("Broken pipe", issue 37).
+            leave.wait(run_timeout + _CONNECT_GRACE)
         with contextlib.suppress(Exception):
             if dist.is_initialized():
                 dist.destroy_process_group()
@@ -154,7 +161,7 @@ def run_ranks(
     connect_timeout = min(timeout, 300.0)
     bound = connect_timeout + _CONNECT_GRACE
     for attempt in range(1, _CONNECT_ATTEMPTS + 1):
-        ranks = _Attempt(ctx, fn, world_size, args, dict(env or {}), connect_timeout)
+        ranks = _Attempt(ctx, fn, world_size, args, dict(env or {}), connect_timeout, timeout)
         if ranks.connect(bound):
             break
         ranks.stop()
@@ -187,15 +194,20 @@ class _Attempt:
         args: tuple[Any, ...],
         env: dict[str, str],
         connect_timeout: float,
+        run_timeout: float,
     ) -> None:
         self.world_size = world_size
         self.results = ctx.Queue()
         self.go = ctx.Event()
+        self.leave = ctx.Event()
         port = free_port()
         self.procs = [
             ctx.Process(
                 target=_rank_main,
-                args=(fn, rank, world_size, port, args, env, self.results, self.go, connect_timeout),
+                args=(
+                    *(fn, rank, world_size, port, args, env, self.results),
+                    *(self.go, connect_timeout, self.leave, run_timeout),
+                ),
                 name=f"safeio-rank-{rank}",
             )
             for rank in range(world_size)
@@ -236,12 +248,15 @@ class _Attempt:
         return out
 
     def _receive(self, deadline: float) -> bool:
-        """Take one report; False at the deadline or once every rank ended with nothing left to read."""
+        """Take one report; False at the deadline, or once every rank reported or ended and nothing is
+        left to read."""
         while (remaining := deadline - time.monotonic()) > 0:
             try:
                 report = self.results.get(timeout=min(remaining, 1.0))
             except queue.Empty:
-                if all(not p.is_alive() for p in self.procs) and self.results.empty():
+                # Every rank reported or ended (rank 0, the store's host, waits to be told to leave).
+                settled = (rank in self.collected or not p.is_alive() for rank, p in enumerate(self.procs))
+                if all(settled) and self.results.empty():
                     return False
                 continue
             if report[0] == _CONNECTED:
@@ -254,6 +269,7 @@ class _Attempt:
 
     def stop(self, deadline: float | None = None) -> set[int]:
         """End every rank still running (after a short join when a deadline is left); those it killed."""
+        self.leave.set()
         killed = set()
         for rank, proc in enumerate(self.procs):
             wait = 0.0 if deadline is None else max(0.0, min(5.0, deadline - time.monotonic()))

@@ -181,12 +181,15 @@ def test_object_store_steps_interrupted_foreign_and_retained(s3: dict[str, str])
 def _one_rank_fails(rank: int, world: int, root: str, how: str) -> dict[str, Any]:
     import torch.distributed.checkpoint as dcp
 
-    ckpts = safeio.Checkpoints(root, keep=3, timeout=4)
+    ckpts = safeio.Checkpoints(root, keep=3, timeout=PATIENT)
     with ckpts.save(1) as ckpt:
         dcp.save(_state(1), checkpoint_id=ckpt.path)
+    # The save that loses rank 2: the writer waits out a killed rank's report, so that wait is short
+    # (its length is the subject). Every other wait here asserts an outcome and is patient.
+    dying = safeio.Checkpoints(root, keep=3, timeout=4) if how == "killed" else ckpts
     outcome: dict[str, Any] = {}
     try:
-        with ckpts.save(2) as ckpt:
+        with dying.save(2) as ckpt:
             dcp.save(_state(2), checkpoint_id=ckpt.path)
             _every_rank_past_dcp(rank, world)  # so that the collectives inside dcp.save are all over
             if rank == 2:

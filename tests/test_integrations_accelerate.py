@@ -72,7 +72,9 @@ def _loop(rank: int, world: int, root: str, steps: int, die: tuple[int, int] | N
     from safeio.integrations import accelerate as safe_accelerate
 
     accelerator, model, optimizer = _setup(root)
-    ckpts = safe_accelerate.checkpoints_for(accelerator, timeout=4 if die else PATIENT)
+    ckpts = safe_accelerate.checkpoints_for(accelerator, timeout=PATIENT)
+    # Only the save a rank dies in waits out its report, briefly (that wait's length is the subject).
+    dying = safe_accelerate.checkpoints_for(accelerator, timeout=4) if die else ckpts
     resumed = safe_accelerate.load_state(accelerator, ckpts)
     start = resumed.step + 1 if resumed else 0
     weights: dict[int, Any] = {}
@@ -88,7 +90,8 @@ def _loop(rank: int, world: int, root: str, steps: int, die: tuple[int, int] | N
         _train(model, optimizer)
         weights[step] = {k: v.clone() for k, v in model.state_dict().items()}
         try:
-            saved = safe_accelerate.save_state(accelerator, ckpts)
+            now = dying if die is not None and accelerator.save_iteration == die[1] else ckpts
+            saved = safe_accelerate.save_state(accelerator, now)
         except safeio.CheckpointError as exc:
             outcome = str(exc)
             break

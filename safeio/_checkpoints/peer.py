@@ -82,7 +82,7 @@ def exit_peer(save: CheckpointSave, exc: BaseException | None) -> None:
             status.enter(FSYNC)
             sync_share(save, deadline)
         status.enter(OUTCOME)
-        outcome = save.call.hear_outcome(deadline)
+        outcome = save.call.hear_outcome(deadline, outcome_problem)
     except StoreGone as gone:
         # The writer decided and its process (the store's host) finished: a committed step on disk
         # is the outcome; none means it failed (its failure left nothing to find).
@@ -95,9 +95,6 @@ def exit_peer(save: CheckpointSave, exc: BaseException | None) -> None:
         raise malformed_error(save, f"its outcome ({malformed})") from None
     except PeerTimeout as waited:
         raise gave_up(save, waited) from None
-    problem = outcome_problem(outcome)
-    if problem is not None:
-        raise malformed_error(save, f"its outcome ({problem})")
     if not outcome.get("ok"):
         raise failure(outcome, rank, save.step, save.final)
     save.warnings = note_warnings(outcome.get("warnings"), rank)

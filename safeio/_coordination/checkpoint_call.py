@@ -23,6 +23,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+from collections.abc import Callable
 from typing import Any
 
 from safeio._coordination.calls import (
@@ -399,19 +400,22 @@ class CheckpointCall:
             return None
         return value if isinstance(value, dict) else None
 
-    def hear_outcome(self, deadline: float) -> dict[str, Any]:
-        """Every other rank: the writer's decision (MalformedValue when it is not one). Acknowledged once
-        heard, malformed or not, so that the call's keys go; never when this rank gave up waiting: the
-        call's verdict must outlive it (``give_up``)."""
-        value: Any = None
-        try:
-            value = self._wait_for_writer("outcome", deadline, f"rank {self.group.writer}'s decision")
-        except MalformedValue:
-            self._acknowledge(None)
-            raise
-        self._acknowledge(value)
+    def hear_outcome(
+        self, deadline: float, problem: Callable[[dict[str, Any]], str | None] | None = None
+    ) -> dict[str, Any]:
+        """Every other rank: the writer's decision (MalformedValue when it is not one, or ``problem``
+        finds it wrong). Acknowledged only when it is one, so that the call's keys go: a malformed
+        outcome may be a value planted before the writer decided, and acknowledging it would delete this
+        rank's report before the writer read it (the writer then waited out its timeout for a report
+        that had been made). Never when this rank gave up waiting: the call's verdict must outlive it
+        (``give_up``)."""
+        value = self._wait_for_writer("outcome", deadline, f"rank {self.group.writer}'s decision")
         if not isinstance(value, dict) or not isinstance(value.get("ok"), bool):
             raise MalformedValue(f"the outcome is not one: {text(value)}")
+        wrong = problem(value) if problem is not None else None
+        if wrong is not None:
+            raise MalformedValue(wrong)
+        self._acknowledge(value)
         return value
 
     def _acknowledge(self, outcome: Any) -> None:

@@ -34,7 +34,7 @@ from safeio._coordination.calls import (
     next_number,
     text,
 )
-from safeio._coordination.checkpoint_status import RankStatus, Status, advice, read_status
+from safeio._coordination.checkpoint_status import DONE, RankStatus, Status, advice, read_status
 from safeio._coordination.diverged import diverged_record, entrant, mismatch_error, waited_on_keys
 from safeio._coordination.group import Group
 from safeio._errors import CheckpointError, CollectiveMismatch, PeerTimeout
@@ -53,7 +53,8 @@ class DecidedFirst(Exception):
 
 
 class LeftTheCall(Exception):
-    """The rank waited for is in a later call of the root, and never set the key this rank waits for."""
+    """The rank waited for has ended this call (it is done, or in a later call of the root), and the key
+    this rank waits for is not set: it never will be."""
 
     def __init__(self, rank: int, where: str) -> None:
         super().__init__(rank, where)
@@ -188,7 +189,7 @@ class CheckpointCall:
         """The value of ``name``, which rank ``from_rank`` sets (``waiting_for`` says what it is, for
         messages). While it waits, this rank says so on the stall cadence, with what ``from_rank`` last
         reported; at ``deadline``, a PeerTimeout naming that rank, the phase it was in, the step and the
-        time waited. ``LeftTheCall`` when ``from_rank`` has moved on to a later call without setting it;
+        time waited. ``LeftTheCall`` when ``from_rank`` has ended the call without the value set;
         with ``decided_first``, ``DecidedFirst`` when the writer decided the outcome meanwhile (it then
         never sets ``name``: it failed before, or needs no answer)."""
         cadence = Cadence(self.warn_after)
@@ -206,7 +207,7 @@ class CheckpointCall:
                 if decided is not None:
                     raise DecidedFirst(decided)
             status = read_status(self.group, self.root, from_rank)
-            if status is not None and status.call > self.number and self._call.get_now(name) is None:
+            if status is not None and _has_left(status, self.number) and self._call.get_now(name) is None:
                 raise LeftTheCall(from_rank, status.describe(self.number))
 
         def expired() -> PeerTimeout:
@@ -371,7 +372,7 @@ class CheckpointCall:
                 failed[rank] = f"its report in the store is malformed ({exc})"
                 continue
             except LeftTheCall as left:
-                failed[rank] = f"left this call without reporting ({left.where})"
+                failed[rank] = f"left this call, no report of it to read ({left.where})"
                 continue
             if not (isinstance(report, dict) and report.get("ok") is True):
                 error = report.get("error") if isinstance(report, dict) else None
@@ -431,6 +432,15 @@ class CheckpointCall:
             *_result_keys(outcome),
         ]
         self._call.acknowledge(names, self.group.world_size - 1)
+
+
+def _has_left(status: Status, number: int) -> bool:
+    """Whether the rank of ``status`` has ended call ``number``: it is in a later call, or done with
+    this one. Done is not only "moved on": a rank that heard an outcome planted before the writer's, one
+    well-formed enough to be acknowledged, deleted the call's keys, its own report among them, and ended;
+    the report the writer waits for can no longer come, and waiting out the timeout for it would only
+    stall the writer (issue 37's stress run, the malformed case; docs/security.md rule 4)."""
+    return status.call > number or (status.call == number and status.phase == DONE)
 
 
 def _prefix(root: str, number: int) -> str:

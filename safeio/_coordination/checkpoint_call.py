@@ -34,7 +34,7 @@ from safeio._coordination.calls import (
     next_number,
     text,
 )
-from safeio._coordination.checkpoint_status import DONE, RankStatus, Status, advice, read_status
+from safeio._coordination.checkpoint_status import RankStatus, Status, advice, read_status
 from safeio._coordination.diverged import diverged_record, entrant, mismatch_error, waited_on_keys
 from safeio._coordination.group import Group
 from safeio._errors import CheckpointError, CollectiveMismatch, PeerTimeout
@@ -207,7 +207,7 @@ class CheckpointCall:
                 if decided is not None:
                     raise DecidedFirst(decided)
             status = read_status(self.group, self.root, from_rank)
-            if status is not None and _has_left(status, self.number) and self._call.get_now(name) is None:
+            if status is not None and status.has_ended(self.number) and self._call.get_now(name) is None:
                 raise LeftTheCall(from_rank, status.describe(self.number))
 
         def expired() -> PeerTimeout:
@@ -432,15 +432,6 @@ class CheckpointCall:
             *_result_keys(outcome),
         ]
         self._call.acknowledge(names, self.group.world_size - 1)
-
-
-def _has_left(status: Status, number: int) -> bool:
-    """Whether the rank of ``status`` has ended call ``number``: it is in a later call, or done with
-    this one. Done is not only "moved on": a rank that heard an outcome planted before the writer's, one
-    well-formed enough to be acknowledged, deleted the call's keys, its own report among them, and ended;
-    the report the writer waits for can no longer come, and waiting out the timeout for it would only
-    stall the writer (issue 37's stress run, the malformed case; docs/security.md rule 4)."""
-    return status.call > number or (status.call == number and status.phase == DONE)
 
 
 def _prefix(root: str, number: int) -> str:

@@ -162,6 +162,13 @@ class Status:
     pid: int
     waiting_for: int | None
 
+    def has_ended(self, number: int) -> bool:
+        """Whether this rank has ended call ``number``: it is in a later call, or done with this one. A
+        value it was to set there and did not can no longer come. (A rank that heard a planted outcome,
+        well-formed enough to pass for the writer's, acknowledged it, which deleted the call's keys, its
+        own report among them, and ended: the writer then waited out its timeout for that report.)"""
+        return self.call > number or (self.call == number and self.phase == DONE)
+
     def describe(self, number: int, now: float | None = None) -> str:
         """This record for a rank waiting in call ``number``."""
         now = time.time() if now is None else now

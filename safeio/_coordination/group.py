@@ -55,12 +55,9 @@ class Group:
         self.world_size = world_size
         self.store = store
         self.writer = writer
+        self.is_writer = rank == writer  # read on every step of a save: a field, not a property
         self.name = name
         self.host = socket.gethostname()
-
-    @property
-    def is_writer(self) -> bool:
-        return self.rank == self.writer
 
     def with_writer(self, writer: int) -> Group:
         """The same group with another writer rank."""

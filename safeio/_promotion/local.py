@@ -162,7 +162,8 @@ class LocalPromotion(Promotion):
                 invalid=NOT_A_DIRECTORY,
             ) from exc
         stage = os.path.join(parent, self.stage_name)
-        logger.debug("%s: stage %s created for %s", who(self.rank), stage, self.target)
+        if logger.isEnabledFor(logging.DEBUG):  # who() is work: not on every save for a line not shown
+            logger.debug("%s: stage %s created for %s", who(self.rank), stage, self.target)
         return stage
 
     def check_stage(self) -> None:
@@ -236,7 +237,8 @@ class LocalPromotion(Promotion):
                             behaviour.commit(self, stage, entries)
                         self.committed = True
                         self._sync_parent()
-        logger.debug("%s: promoted %s (mode %s)", who(self.rank), target, self.options.mode)
+        if logger.isEnabledFor(logging.DEBUG):
+            logger.debug("%s: promoted %s (mode %s)", who(self.rank), target, self.options.mode)
         self.close()
         return Promoted(self.version, self.replaced)
 
@@ -292,7 +294,8 @@ class LocalPromotion(Promotion):
         if not self.rename_into_place(entries):
             return False
         self._sync_parent()
-        logger.debug("%s: %s is new: promoted without the lock", who(self.rank), self.target)
+        if logger.isEnabledFor(logging.DEBUG):
+            logger.debug("%s: %s is new: promoted without the lock", who(self.rank), self.target)
         return True
 
     def _renamed_fresh(self, entries: dict[str, dict[str, Any]]) -> bool:

@@ -204,14 +204,17 @@ def held(lock: PromotionLock | None, target: str, rank: int) -> Iterator[None]:
             f"cannot take the promotion lock {lock.lock_file} for {target}", lock.lock_file, exc
         ) from exc
     acquired = time.monotonic()
-    logger.debug("%s: lock %s acquired in %.1f ms", who(rank), lock.lock_file, (acquired - started) * 1e3)
+    debug = logger.isEnabledFor(logging.DEBUG)  # who() is work: not on every save for lines not shown
+    if debug:
+        logger.debug("%s: lock %s acquired in %.1f ms", who(rank), lock.lock_file, (acquired - started) * 1e3)
     try:
         yield
     finally:
         lock.release()
-        logger.debug(
-            "%s: lock %s held for %.1f ms", who(rank), lock.lock_file, (time.monotonic() - acquired) * 1e3
-        )
+        if debug:
+            logger.debug(
+                "%s: lock %s held for %.1f ms", who(rank), lock.lock_file, (time.monotonic() - acquired) * 1e3
+            )
 
 
 def _describe_holder(lock: PromotionLock) -> str | None:

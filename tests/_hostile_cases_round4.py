@@ -1,0 +1,109 @@
+"""Hostile shares, round 4 (an audit of the calls that act on a share by name): a directory another user
+swaps in under a name safeio judged a moment before. Registered into ``tests._hostile_cases.CASES``, so
+that ``tests/test_hostile_share.py`` runs each on local disk and on the NFS-like mount, under its alarm,
+with the sentinel-tree check.
+
+In a directory others can write without the sticky bit, another user may rename any entry of it, a
+directory of yours included (a rename within one directory needs no permission on the directory
+moved), though they cannot delete a non-empty tree of yours. What safeio removes by name is what stands
+at the name when it acts, which need not be what it judged. The victim is root, the other user uid 65534
+in a forked child (only root can be both); the swap is made at the point the race opens, so that each
+case is exact rather than a matter of luck.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+from unittest import mock
+
+import safeio
+from safeio._checkpoints.step_directories import LocalSteps
+from tests._hostile_cases import ROOT_ONLY, Share, captured_warnings, case
+from tests._hostile_cases_round2 import _as_nobody
+
+DATA = "root's training data: uid 65534 may rename this tree, never delete it\n"
+
+
+def _victims_tree(parent: Path) -> Path:
+    """A tree of root's, 0755 with a 0644 file, beside the steps: uid 65534 cannot delete it."""
+    data = parent / "data"
+    data.mkdir(mode=0o755)
+    (data / "corpus.txt").write_text(DATA)
+    (data / "corpus.txt").chmod(0o644)
+    return data
+
+
+def _swapped_in(parent: Path, name: str, tree: Path) -> Callable[[], dict[str, Any]]:
+    """As uid 65534: ``name`` renamed out of the way, and root's ``tree`` renamed to ``name``."""
+
+    def swap() -> dict[str, Any]:
+        os.rename(parent / name, parent / f"{name}.moved-by-65534")
+        os.rename(tree, parent / name)
+        return {"swapped": name}
+
+    return swap
+
+
+def _data_left(parent: Path) -> list[str]:
+    return [str(p) for p in parent.rglob("corpus.txt") if p.read_text() == DATA]
+
+
+@case
+def r4case1_retention_never_deletes_a_tree_swapped_in_under_a_retired_steps_name(share: Share) -> None:
+    """A root without the sticky bit: retention chose step 1 (root's, committed) to retire; uid 65534
+    then renamed it away and root's ``data/`` tree to its name. Before, retention renamed whatever stood
+    there aside and deleted it: root's tree was gone."""
+    root = share.share / "run"
+    root.mkdir()
+    root.chmod(0o777)  # group- or world-writable, not sticky
+    data = _victims_tree(root)
+    ckpts = safeio.Checkpoints(root, keep=1, timeout=30)
+    with ckpts.save(1) as ckpt:
+        Path(ckpt.path, "weights.bin").write_text("step 1")
+    step1 = next(name for name in os.listdir(root) if name.endswith("1") and (root / name).is_dir())
+    retire = LocalSteps._retire
+    swaps: list[dict[str, Any]] = []
+
+    def raced(self: LocalSteps, root_fd: int, retired: list[Any], replaced: list[str]) -> None:
+        if any(step.name == step1 for step in retired):  # retention judged it: now the window is open
+            swaps.append(_as_nobody(_swapped_in(root, step1, data)))
+        retire(self, root_fd, retired, replaced)
+
+    with captured_warnings() as warnings, mock.patch.object(LocalSteps, "_retire", raced):
+        with ckpts.save(2) as ckpt:
+            Path(ckpt.path, "weights.bin").write_text("step 2")
+        ckpts.wait()  # retention's deletion, on its thread, has ended
+    assert swaps == [{"swapped": step1}], swaps
+    assert _data_left(root), f"root's data/ tree (swapped in as {step1}) was deleted by retention"
+    assert any(step1 in w and "not the step" in w for w in warnings), warnings
+    latest = ckpts.latest()
+    assert latest is not None and latest.step == 2, latest
+
+
+@case
+def r4baseline_1_naive_retention_deletes_the_tree_swapped_in(share: Share) -> None:
+    """The naive way (judge the step by its marker, then remove it by name, as ``shutil.rmtree`` does)
+    deletes root's tree that uid 65534 renamed to the step's name in between."""
+    root = share.share / "run"
+    root.mkdir()
+    root.chmod(0o777)
+    data = _victims_tree(root)
+    step1 = root / "checkpoint-1"
+    step1.mkdir()
+    (step1 / "weights.bin").write_text("step 1")
+    assert (step1 / "weights.bin").exists()  # judged: a step of ours
+    assert _as_nobody(_swapped_in(root, step1.name, data)) == {"swapped": step1.name}
+    shutil.rmtree(step1)
+    assert not _data_left(root)
+
+
+ROOT_ONLY.update(
+    {
+        "r4case1_retention_never_deletes_a_tree_swapped_in_under_a_retired_steps_name",
+        "r4baseline_1_naive_retention_deletes_the_tree_swapped_in",
+    }
+)

@@ -22,6 +22,8 @@ from unittest import mock
 
 import safeio
 from safeio._checkpoints.step_directories import LocalSteps
+from safeio._storage.manifest import MANIFEST_NAME
+from safeio._storage.readers import LocalReader
 from tests._hostile_cases import ROOT_ONLY, Share, captured_warnings, case
 from tests._hostile_cases_round2 import _as_nobody
 
@@ -85,6 +87,48 @@ def r4case1_retention_never_deletes_a_tree_swapped_in_under_a_retired_steps_name
 
 
 @case
+def r4case2_a_step_is_read_where_it_was_judged_a_directory_never_through_a_link(share: Share) -> None:
+    """A sticky world-writable root (the configuration docs/security.md recommends): uid 65534 makes its
+    own directory under a step's name, and once safeio has found a directory there (not a link) puts a
+    link to another run's step of root's in its place. Before, the step's marker was then read through the
+    link: ``latest()`` of this run chose the other run's step, then waited its whole timeout for that step
+    to be visible and failed (with the link swapped back for a directory of theirs in time, it could return
+    their directory as the step to resume from)."""
+    other_run, run = share.share / "other-run", share.share / "run"
+    for root in (other_run, run):
+        root.mkdir()
+    run.chmod(0o1777)
+    with safeio.Checkpoints(other_run, pointer=False, timeout=30).save(99) as ckpt:
+        Path(ckpt.path, "weights.bin").write_text("the other run's step 99")
+    # Before, latest() chose the linked step, then waited out this timeout for it to be visible.
+    ckpts = safeio.Checkpoints(run, pointer=False, timeout=10)
+    with ckpts.save(1) as ckpt:
+        Path(ckpt.path, "weights.bin").write_text("this run's step 1")
+    step99 = next(name for name in os.listdir(other_run) if name.endswith("99"))
+    planted = run / step99
+    assert _as_nobody(lambda: (planted.mkdir(), {"made": step99})[1]) == {"made": step99}
+    is_step = LocalReader.is_step
+    swaps: list[dict[str, Any]] = []
+
+    def raced(self: LocalReader) -> bool:
+        found = is_step(self)
+        if self.location.path == str(planted) and not swaps:  # judged a directory: the window is open
+
+            def swap() -> dict[str, Any]:
+                planted.rmdir()
+                planted.symlink_to(os.path.relpath(other_run / step99, run))
+                return {"linked": step99}
+
+            swaps.append(_as_nobody(swap))
+        return found
+
+    with mock.patch.object(LocalReader, "is_step", raced):
+        latest = ckpts.latest()
+    assert swaps == [{"linked": step99}], swaps
+    assert latest is not None and latest.step == 1, f"latest() of {run} is {latest}, through the planted link"
+
+
+@case
 def r4baseline_1_naive_retention_deletes_the_tree_swapped_in(share: Share) -> None:
     """The naive way (judge the step by its marker, then remove it by name, as ``shutil.rmtree`` does)
     deletes root's tree that uid 65534 renamed to the step's name in between."""
@@ -101,9 +145,33 @@ def r4baseline_1_naive_retention_deletes_the_tree_swapped_in(share: Share) -> No
     assert not _data_left(root)
 
 
+@case
+def r4baseline_2_naive_reading_by_path_follows_the_link_swapped_in(share: Share) -> None:
+    """The naive way (``os.path.isdir``, then the marker read by path) reads another run's marker through
+    the link uid 65534 put where its own directory was judged."""
+    other, run = share.share / "other-run" / "step_99", share.share / "run"
+    other.mkdir(parents=True)
+    (other / MANIFEST_NAME).write_text('{"step": 99}')
+    run.mkdir(mode=0o1777)
+    run.chmod(0o1777)
+    planted = run / "step_99"
+    assert _as_nobody(lambda: (planted.mkdir(), {"made": True})[1]) == {"made": True}
+    assert os.path.isdir(planted)  # judged a directory
+
+    def swap() -> dict[str, Any]:
+        planted.rmdir()
+        planted.symlink_to("../other-run/step_99")
+        return {"linked": True}
+
+    assert _as_nobody(swap) == {"linked": True}
+    assert (planted / MANIFEST_NAME).read_text() == '{"step": 99}'
+
+
 ROOT_ONLY.update(
     {
         "r4case1_retention_never_deletes_a_tree_swapped_in_under_a_retired_steps_name",
         "r4baseline_1_naive_retention_deletes_the_tree_swapped_in",
+        "r4case2_a_step_is_read_where_it_was_judged_a_directory_never_through_a_link",
+        "r4baseline_2_naive_reading_by_path_follows_the_link_swapped_in",
     }
 )

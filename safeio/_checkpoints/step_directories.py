@@ -71,7 +71,7 @@ class LocalSteps(StepStorage):
         return os.path.join(self.root, name)
 
     def reader(self, name: str) -> LocalReader:
-        return LocalReader(Location(self.url(name), self.url(name)))
+        return LocalReader(Location(self.url(name), self.url(name)), follow=False)
 
     def entry_names(self) -> list[str]:
         try:

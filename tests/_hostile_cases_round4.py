@@ -24,7 +24,8 @@ import safeio
 from safeio._checkpoints.step_directories import LocalSteps
 from safeio._storage.manifest import MANIFEST_NAME
 from safeio._storage.readers import LocalReader
-from tests._hostile_cases import ROOT_ONLY, Share, captured_warnings, case
+from safeio._who import current_rank
+from tests._hostile_cases import ROOT_ONLY, Share, alarm, captured_warnings, case
 from tests._hostile_cases_round2 import _as_nobody
 
 DATA = "root's training data: uid 65534 may rename this tree, never delete it\n"
@@ -167,11 +168,44 @@ def r4baseline_2_naive_reading_by_path_follows_the_link_swapped_in(share: Share)
     assert (planted / MANIFEST_NAME).read_text() == '{"step": 99}'
 
 
+@case
+def r4case3_an_audit_record_file_is_never_a_link_or_a_fifo_planted_under_its_name(share: Share) -> None:
+    """A record directory all ranks write into, on the share (``SAFEIO_AUDIT_DIR``): uid 65534 plants a
+    link, then a FIFO, under the name this process's records go to (``audit-rank{R}-pid{P}.jsonl``, a pid
+    anyone can see). Before, the records were appended to the file the link named (here root's
+    ``authorized_keys``, outside the share), and the FIFO made the audited write of root hang for ever."""
+    records, work = share.share / "audit", share.share / "work"
+    for directory in (records, work):
+        directory.mkdir()
+        directory.chmod(0o777)
+    authorized = share.outside / ".ssh" / "authorized_keys"
+    before = authorized.read_bytes()
+    auditor = safeio.audit(work, action="record", record_dir=records)
+    planted = Path(str(auditor.record_file(current_rank(), os.getpid())))
+    assert _as_nobody(lambda: (planted.symlink_to(authorized), {"linked": True})[1]) == {"linked": True}
+    with captured_warnings() as warnings, auditor:
+        (work / "a.txt").write_text("an unsafe write, recorded")
+    assert authorized.read_bytes() == before, "the audit record went through the planted link"
+    assert any(str(planted) in w for w in warnings), warnings
+
+    def fifo() -> dict[str, Any]:
+        planted.unlink()
+        os.mkfifo(planted, 0o666)
+        return {"fifo": True}
+
+    assert _as_nobody(fifo) == {"fifo": True}
+    with captured_warnings() as warnings, alarm(20), auditor:  # the hang is the subject: a bound in time
+        (work / "b.txt").write_text("another")
+    assert any(str(planted) in w for w in warnings), warnings
+    assert len(auditor.records) == 2, auditor.records
+
+
 ROOT_ONLY.update(
     {
         "r4case1_retention_never_deletes_a_tree_swapped_in_under_a_retired_steps_name",
         "r4baseline_1_naive_retention_deletes_the_tree_swapped_in",
         "r4case2_a_step_is_read_where_it_was_judged_a_directory_never_through_a_link",
         "r4baseline_2_naive_reading_by_path_follows_the_link_swapped_in",
+        "r4case3_an_audit_record_file_is_never_a_link_or_a_fifo_planted_under_its_name",
     }
 )

@@ -13,6 +13,7 @@ case is exact rather than a matter of luck.
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 from collections.abc import Callable
@@ -22,6 +23,7 @@ from unittest import mock
 
 import safeio
 from safeio._checkpoints.step_directories import LocalSteps
+from safeio._diagnostics.audit_report import format_report, merge_reports
 from safeio._storage.manifest import MANIFEST_NAME
 from safeio._storage.readers import LocalReader
 from safeio._who import current_rank
@@ -200,6 +202,35 @@ def r4case3_an_audit_record_file_is_never_a_link_or_a_fifo_planted_under_its_nam
     assert len(auditor.records) == 2, auditor.records
 
 
+@case
+def r4case4_the_audit_report_reads_only_regular_record_files_of_this_user(share: Share) -> None:
+    """``safeio audit report DIR`` of a shared record directory: uid 65534 planted a FIFO, a link to
+    ``/dev/zero`` and a record file of theirs forging a conflict. Before, the report hung for ever opening
+    the FIFO (the link would have been read without end, and the forged records shown as this job's)."""
+    records, work = share.share / "audit", share.share / "work"
+    for directory in (records, work):
+        directory.mkdir()
+        directory.chmod(0o777)
+    with safeio.audit(work, action="record", record_dir=records):
+        (work / "a.txt").write_text("an unsafe write, recorded")
+    forged = {"op": "open-truncate", "path": str(work / "a.txt"), "rank": 9, "pid": 1, "host": "x", "time": 0}
+
+    def plant() -> dict[str, Any]:
+        os.mkfifo(records / "audit-rank7-pid1.jsonl", 0o666)
+        (records / "audit-rank8-pid1.jsonl").symlink_to("/dev/zero")
+        (records / "audit-rank9-pid1.jsonl").write_text(json.dumps(forged) + "\n")
+        return {"planted": 3}
+
+    assert _as_nobody(plant) == {"planted": 3}
+    with alarm(20):  # the hang is the subject: a bound in time
+        report = merge_reports(records)
+    assert [r.rank for r in report.records] == [None], report.records
+    text = format_report(report)
+    for n in (7, 8, 9):
+        assert f"audit-rank{n}-pid1.jsonl" in text, text
+    assert not report.conflicts, report.conflicts
+
+
 ROOT_ONLY.update(
     {
         "r4case1_retention_never_deletes_a_tree_swapped_in_under_a_retired_steps_name",
@@ -207,5 +238,6 @@ ROOT_ONLY.update(
         "r4case2_a_step_is_read_where_it_was_judged_a_directory_never_through_a_link",
         "r4baseline_2_naive_reading_by_path_follows_the_link_swapped_in",
         "r4case3_an_audit_record_file_is_never_a_link_or_a_fifo_planted_under_its_name",
+        "r4case4_the_audit_report_reads_only_regular_record_files_of_this_user",
     }
 )

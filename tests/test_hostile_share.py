@@ -33,6 +33,7 @@ from tests import _hostile_cases as hostile
 from tests import (
     _hostile_cases_round2,  # noqa: F401 - registers issue 25's cases into hostile.CASES
     _hostile_cases_round3,  # noqa: F401 - and issue 34's
+    _hostile_cases_round4,  # noqa: F401 - and the audit of calls by name's
 )
 
 NOBODY = 65534

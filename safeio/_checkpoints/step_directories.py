@@ -37,9 +37,11 @@ from safeio._promotion.base import PhaseHook
 from safeio._promotion.leftovers import recover_directory
 from safeio._promotion.local import LocalPromotion
 from safeio._storage import claims
-from safeio._storage.dirfd import held_directory, is_component, lstat_at
+from safeio._storage.dirfd import held_directory, identity, is_component, lstat_at, open_directory
 from safeio._storage.fsops import remove_at
 from safeio._storage.location import Location
+from safeio._storage.manifest import MANIFEST_NAME
+from safeio._storage.metadata import load_manifest
 from safeio._storage.names import LATEST, MEGATRON_TRACKER, SEQUENCE, parse, sibling_name
 from safeio._storage.posix import rename_noreplace
 from safeio._storage.readers import LocalReader, read_pointer
@@ -69,7 +71,7 @@ class LocalSteps(StepStorage):
         return os.path.join(self.root, name)
 
     def reader(self, name: str) -> LocalReader:
-        return LocalReader(Location(self.url(name), self.url(name)))
+        return LocalReader(Location(self.url(name), self.url(name)), follow=False)
 
     def entry_names(self) -> list[str]:
         try:
@@ -239,6 +241,7 @@ class LocalSteps(StepStorage):
         is missing, and a retired checkpoint whose deletion was killed must go, never come back as a
         step (``safeio gc`` finishes it)."""
         aside: list[str] = list(replaced)
+        steps: dict[str, CommittedStep] = {}  # aside name -> the retired step renamed to it
         try:
             for step in retired:
                 name = claims.claim(sibling_name(step.name, "tmp"))  # released once deleted
@@ -248,20 +251,47 @@ class LocalSteps(StepStorage):
                     claims.release(name)
                     raise
                 aside.append(name)
+                steps[name] = step
         finally:
             if aside:
                 self.delete_later(
-                    lambda: self._delete(aside), f"{len(aside)} retired or replaced step(s) under {self.root}"
+                    lambda: self._delete(aside, steps),
+                    f"{len(aside)} retired or replaced step(s) under {self.root}",
                 )
 
-    def _delete(self, aside: list[str]) -> None:
+    def _delete(self, aside: list[str], steps: dict[str, CommittedStep]) -> None:
         try:
             with held_directory(self.root, follow=True) as root_fd:
                 for name in aside:
-                    remove_at(root_fd, name, what="retired checkpoint")
+                    step = steps.get(name)
+                    if step is None:
+                        remove_at(root_fd, name, what="replaced checkpoint")
+                    else:
+                        self._remove_retired(root_fd, name, step)
         finally:
             for name in aside:
                 claims.release(name)
+
+    def _remove_retired(self, root_fd: int, name: str, step: CommittedStep) -> None:
+        """Delete the retired ``step``, renamed aside to ``name``, if that is what stands there: the step's
+        marker, this user's, read through the descriptor of the directory then removed (its identity).
+        A root others can write without the sticky bit lets another user rename a tree of yours, which they
+        may not delete, to the step's name between retention's judgement and its rename: that tree was
+        deleted. Anything else at ``name`` is put back under the step's name, not deleted."""
+        made = _committed_identity(root_fd, name, step.step)
+        if made is not None:
+            remove_at(root_fd, name, what="retired checkpoint", expected=made)
+            return
+        with contextlib.suppress(OSError):
+            rename_noreplace(name, step.name, root_fd)
+            name = step.name
+        logger.warning(
+            "%s: %s, renamed aside to be retired, is not the step committed there any more (renamed or "
+            "replaced by another user meanwhile): not deleted, left as %s",
+            who(),
+            self.url(step.name),
+            self.url(name),
+        )
 
     # -- every rank ----------------------------------------------------------------------------------
 
@@ -274,6 +304,28 @@ class LocalSteps(StepStorage):
             return stat.S_ISDIR(os.lstat(self.url(stage_name)).st_mode)
         except OSError:
             return False
+
+
+def _committed_identity(root_fd: int, name: str, step: int) -> tuple[int, int] | None:
+    """The identity of the directory ``name`` if it holds this user's marker of a commit of ``step``
+    (read through its descriptor, following no link), else None."""
+    try:
+        fd = open_directory(name, dir_fd=root_fd)
+    except OSError:
+        return None
+    try:
+        marker = lstat_at(fd, MANIFEST_NAME)
+        if marker is None or marker.st_uid != os.geteuid():
+            return None
+        record = load_manifest(fd, MANIFEST_NAME)
+        found = record.get("step") if isinstance(record, dict) else None
+        if isinstance(found, bool) or found != step:
+            return None
+        return identity(os.fstat(fd))
+    except OSError:
+        return None
+    finally:
+        os.close(fd)
 
 
 class LocalRootCommit(RootCommit):

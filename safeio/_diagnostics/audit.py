@@ -25,9 +25,11 @@ first auditor and dispatches to whichever auditors are active; with none active 
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import os
+import stat
 import sys
 import threading
 import time
@@ -172,8 +174,7 @@ class Auditor:
             path = self.record_file(record.rank, record.pid)
             if path is not None:
                 try:
-                    with open(path, "a", encoding="utf-8") as f:
-                        f.write(json.dumps(record.to_dict()) + "\n")
+                    _append_record(path, (json.dumps(record.to_dict()) + "\n").encode())
                 except OSError as exc:  # the audit must never break the code it watches
                     logger.warning("%s: could not write the audit record file %s: %s", who(), path, exc)
         if not record.unsafe or self.action == "record":
@@ -203,6 +204,25 @@ def audit(
     own ``audit-rank{R}-pid{P}.jsonl`` there, for ``merge_reports``.
     """
     return Auditor(root, action, record_dir)
+
+
+_RECORD_FLAGS = os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+
+
+def _append_record(path: str, line: bytes) -> None:
+    """Append ``line`` to this process's record file: a regular file of this user's, never through a link
+    or into a FIFO. The record directory may be on a share every rank writes (``SAFEIO_AUDIT_DIR``), and
+    the file's name is known to anyone (rank, pid): a link planted there had the records appended to the
+    file it named (anyone's, outside the share), and a FIFO made the audited write hang for ever."""
+    fd = os.open(path, _RECORD_FLAGS, 0o666)
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid():
+            raise OSError(errno.EPERM, "not a regular file of this user's", path)
+        while line:
+            line = line[os.write(fd, line) :]
+    finally:
+        os.close(fd)
 
 
 # -- the process-wide hook -------------------------------------------------------------------------

@@ -6,6 +6,7 @@ rank truncating a path another rank opened (the NFS interlock this library exist
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 from collections.abc import Iterable
@@ -20,6 +21,7 @@ from safeio._diagnostics.audit import (
     TRUNCATING,
     AuditRecord,
 )
+from safeio._storage.dirfd import held_directory, open_regular_file
 
 
 @dataclass(frozen=True)
@@ -55,6 +57,7 @@ class AuditReport:
     conflicts: list[Conflict] = field(default_factory=list)
     files: list[str] = field(default_factory=list)
     unreadable_lines: int = 0  # a process killed mid-write leaves a partial last line
+    refused: list[str] = field(default_factory=list)  # named as record files, not read: why, each
 
     @property
     def unsafe(self) -> list[AuditRecord]:
@@ -68,6 +71,7 @@ class AuditReport:
             "unsafe": len(self.unsafe),
             "conflicts": [c.to_dict() for c in self.conflicts],
             "unreadable_lines": self.unreadable_lines,
+            "refused": list(self.refused),
             "note": LIMIT_NOTE,
         }
 
@@ -79,20 +83,43 @@ def merge_reports(record_dir: str | os.PathLike[str]) -> AuditReport:
     names = sorted(
         n for n in os.listdir(directory) if n.startswith(_RECORD_GLOB_PREFIX) and n.endswith(_RECORD_SUFFIX)
     )
-    for name in names:
-        path = os.path.join(directory, name)
-        report.files.append(path)
-        with open(path, encoding="utf-8", errors="replace") as f:
-            for line in f:
-                if not line.strip():
-                    continue
-                try:
-                    report.records.append(AuditRecord.from_dict(json.loads(line)))
-                except (ValueError, KeyError, TypeError):
-                    report.unreadable_lines += 1
+    with held_directory(directory, follow=True) as dir_fd:
+        ours = {os.fstat(dir_fd).st_uid, os.geteuid()}
+        for name in names:
+            path = os.path.join(directory, name)
+            fd = _record_file(dir_fd, name, path, ours, report)
+            if fd is None:
+                continue
+            report.files.append(path)
+            with os.fdopen(fd, encoding="utf-8", errors="replace") as f:
+                for line in f:
+                    if not line.strip():
+                        continue
+                    try:
+                        report.records.append(AuditRecord.from_dict(json.loads(line)))
+                    except (ValueError, KeyError, TypeError):
+                        report.unreadable_lines += 1
     report.records.sort(key=lambda r: (r.time, r.rank if r.rank is not None else -1, r.pid))
     report.conflicts = find_conflicts(report.records)
     return report
+
+
+def _record_file(dir_fd: int, name: str, path: str, ours: set[int], report: AuditReport) -> int | None:
+    """The record file ``name`` open for reading, or None (and why, in ``report.refused``). The record
+    directory may be a share: a FIFO planted under a record file's name made the report hang for ever, a
+    link to ``/dev/zero`` would have been read without end, and another user's file shown as this job's
+    records. Only a regular file of the directory's owner or of this user is read."""
+    try:
+        fd, st = open_regular_file(dir_fd, name)
+    except OSError as exc:
+        what = "a symbolic link" if exc.errno == errno.ELOOP else (exc.strerror or str(exc))
+        report.refused.append(f"{path}: {what}, not read")
+        return None
+    if st.st_uid not in ours:
+        os.close(fd)
+        report.refused.append(f"{path}: another user's (uid {st.st_uid}), not read")
+        return None
+    return fd
 
 
 def _processes(records: Iterable[AuditRecord]) -> tuple[str, ...]:
@@ -136,6 +163,7 @@ def format_report(report: AuditReport) -> str:
     ]
     if report.unreadable_lines:
         lines.append(f"({report.unreadable_lines} unreadable lines skipped)")
+    lines.extend(f"(skipped {why})" for why in report.refused)
     if report.conflicts:
         lines.append("")
         lines.append("CONFLICTS")

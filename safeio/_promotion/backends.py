@@ -199,7 +199,8 @@ class PosixBackend(Backend):
             return False
         for name in names:
             sub = os.path.join(path, name)
-            if is_component(name) and LocalReader(Location(sub, sub)).committed_marker(check_files=False):
+            step = LocalReader(Location(sub, sub), follow=False)  # a link there is no step
+            if is_component(name) and step.committed_marker(check_files=False):
                 return True
         return False
 

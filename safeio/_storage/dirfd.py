@@ -264,11 +264,14 @@ def walk_files(dir_fd: int) -> Iterator[tuple[str, int, str, os.stat_result]]:
             yield listing.rel, listing.fd, name, st
 
 
-def remove_directory_at(dir_fd: int, name: str) -> None:
+def remove_directory_at(dir_fd: int, name: str, *, expected: tuple[int, int] | None = None) -> None:
     """Remove the directory ``name`` in ``dir_fd`` and everything in it, following no link, at any depth
-    (``shutil.rmtree`` recursed once per level)."""
+    (``shutil.rmtree`` recursed once per level). With ``expected`` (an ``identity``), only that directory:
+    another one renamed to ``name`` meanwhile raises OSError (ESTALE) with nothing removed."""
     fd = open_directory(name, dir_fd=dir_fd)
     try:
+        if expected is not None and identity(os.fstat(fd)) != expected:
+            raise OSError(errno.ESTALE, "not the directory judged a moment before (swapped meanwhile)", name)
         for listing in walk(fd, bottom_up=True, max_relative=None):
             for entry, _st in listing.entries:
                 with contextlib.suppress(FileNotFoundError):

@@ -14,6 +14,7 @@ from collections.abc import Callable
 
 from safeio._storage.dirfd import (
     held_directory,
+    identity,
     lstat_at,
     open_regular_file,
     open_relative_directory,
@@ -29,16 +30,28 @@ logger = logging.getLogger("safeio")
 _REMOVE_ATTEMPTS = 3
 
 
-def remove_at(dir_fd: int, name: str, *, what: str = "leftover", shown: str | None = None) -> bool:
+def remove_at(
+    dir_fd: int,
+    name: str,
+    *,
+    what: str = "leftover",
+    shown: str | None = None,
+    expected: tuple[int, int] | None = None,
+) -> bool:
     """Remove ``name`` in ``dir_fd`` (a directory tree, file or link), never following a link.
 
+    With ``expected`` (its ``identity`` when it was judged), only that entry: in a directory others can
+    write without the sticky bit, another user may rename a tree of yours, which they may not delete, to
+    the name between the judgement and the removal; then OSError (ESTALE), nothing removed.
     False if NFS silly-renamed files kept it alive (see ``remove_tree``).
     """
     for attempt in range(_REMOVE_ATTEMPTS):
         try:
             st = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
+            if expected is not None and identity(st) != expected:
+                raise OSError(errno.ESTALE, "not the entry judged a moment before (swapped meanwhile)", name)
             if stat.S_ISDIR(st.st_mode):
-                remove_directory_at(dir_fd, name)  # never follows a link, at any depth
+                remove_directory_at(dir_fd, name, expected=expected)  # never follows a link, at any depth
             else:
                 os.unlink(name, dir_fd=dir_fd)
             return True

@@ -146,10 +146,11 @@ def version_of(st: os.stat_result) -> list[int]:
     return [st.st_ino, st.st_size]
 
 
-def load(directory: str) -> dict[str, Any] | Damaged | None:
-    """The manifest of ``directory`` (a path the caller gave), validated; Damaged or None otherwise."""
+def load(directory: str, *, follow: bool = True) -> dict[str, Any] | Damaged | None:
+    """The manifest of ``directory`` (a path the caller gave, or with ``follow=False`` one whose last
+    component must not be a link), validated; Damaged or None otherwise."""
     try:
-        with held_directory(directory, follow=True) as fd:
+        with held_directory(directory, follow=follow) as fd:
             return load_manifest(fd, MANIFEST_NAME)
     except FileNotFoundError:
         return None
@@ -157,20 +158,22 @@ def load(directory: str) -> dict[str, Any] | Damaged | None:
         return Damaged(f"{directory} cannot be opened as a directory ({exc.strerror or exc})")
 
 
-def read(directory: str) -> dict[str, Any] | None:
-    """The manifest of ``directory``, or None when it is absent or damaged."""
-    record = load(directory)
+def read(directory: str, *, follow: bool = True) -> dict[str, Any] | None:
+    """The manifest of ``directory``, or None when it is absent or damaged (see ``load``)."""
+    record = load(directory, follow=follow)
     return None if isinstance(record, Damaged) else record
 
 
-def problems(directory: str, manifest: dict[str, Any], *, check_hashes: bool = True) -> list[str]:
+def problems(
+    directory: str, manifest: dict[str, Any], *, check_hashes: bool = True, follow: bool = True
+) -> list[str]:
     """What in ``directory`` disagrees with ``manifest`` (empty when the directory is complete).
 
     ``manifest`` is validated (every name inside the directory); each entry is reached without following
     a link and must be a regular file, so a crafted entry cannot make this read anything elsewhere.
     """
     found: list[str] = []
-    with held_directory(directory, follow=True) as root:
+    with held_directory(directory, follow=follow) as root:
         for rel, entry in manifest["files"].items():
             *dirs, name = rel.split("/")
             try:

@@ -19,7 +19,7 @@ from typing import Any
 
 from safeio._errors import InvalidTargetError
 from safeio._storage import manifest
-from safeio._storage.dirfd import FILE_FLAGS, held_directory
+from safeio._storage.dirfd import FILE_FLAGS, held_directory, lstat_at
 from safeio._storage.location import Location
 from safeio._storage.metadata import MANIFEST_CAP, Damaged, parse_json, validate_manifest
 from safeio._storage.names import is_version_pointee
@@ -152,17 +152,26 @@ class TargetReader(ABC):
 
 
 class LocalReader(TargetReader):
+    """``follow=False``: a checkpoint step, never a link, is read where it was found a directory. Its name
+    is under a root others may write: the step was judged a directory by ``lstat`` (``is_step``), then
+    read by path, and a link put in its place in between (its owner's own entry, even in a sticky root)
+    made ``latest()`` choose another run's step of this user's through it."""
+
+    def __init__(self, location: Location, *, follow: bool = True) -> None:
+        super().__init__(location)
+        self._follow = follow
+
     def exists(self) -> bool:
-        return os.path.isdir(self.location.path)
+        return os.path.isdir(self.location.path) if self._follow else self.is_step()
 
     def absence(self) -> str | None:
         return why_not_a_directory(self.location.path)
 
     def manifest(self) -> dict[str, Any] | None:
-        return manifest.read(self.location.path)
+        return manifest.read(self.location.path, follow=self._follow)
 
     def problems(self, record: dict[str, Any], *, check_hashes: bool) -> list[str]:
-        return manifest.problems(self.location.path, record, check_hashes=check_hashes)
+        return manifest.problems(self.location.path, record, check_hashes=check_hashes, follow=self._follow)
 
     def no_manifest_problem(self) -> str:
         return f"no readable {manifest.MANIFEST_NAME} in {self.location.path}"
@@ -176,7 +185,11 @@ class LocalReader(TargetReader):
     def owner(self, record: dict[str, Any]) -> int | None:
         # The manifest file's owner: another user cannot make a file that is ours, whatever it says.
         try:
-            return os.lstat(os.path.join(self.location.path, manifest.MANIFEST_NAME)).st_uid
+            if self._follow:
+                return os.lstat(os.path.join(self.location.path, manifest.MANIFEST_NAME)).st_uid
+            with held_directory(self.location.path) as fd:
+                marker = lstat_at(fd, manifest.MANIFEST_NAME)
+            return marker.st_uid if marker is not None else None
         except OSError:
             return None
 
@@ -196,7 +209,7 @@ class LocalReader(TargetReader):
 
     def unlisted(self, record: dict[str, Any]) -> list[str]:
         listed = set(record["files"])
-        with held_directory(self.location.path, follow=True) as fd:
+        with held_directory(self.location.path, follow=self._follow) as fd:
             return [rel for rel in manifest.content_files(fd) if rel not in listed]
 
 

@@ -72,10 +72,10 @@ def test_a_leftover_kept_alive_by_open_files_is_a_warning(
 ) -> None:
     real_remove = safeio._storage.fsops.remove_directory_at
 
-    def silly_renamed(dir_fd: int, name: str) -> None:
+    def silly_renamed(dir_fd: int, name: str, *, expected: tuple[int, int] | None = None) -> None:
         if ".safeio-old-" in name:  # NFS: an open .nfsXXXX file keeps it non-empty
             raise OSError(errno.ENOTEMPTY, "Directory not empty", name)
-        real_remove(dir_fd, name)
+        real_remove(dir_fd, name, expected=expected)
 
     monkeypatch.setenv("SAFEIO_NO_EXCHANGE", "1")
     monkeypatch.setattr(safeio._storage.fsops, "remove_directory_at", silly_renamed)

@@ -65,7 +65,7 @@ def test_a_retired_step_whose_deletion_hangs_does_not_hold_the_process(tmp_path:
         import safeio
         from safeio._checkpoints.step_directories import LocalSteps
 
-        LocalSteps._delete = lambda self, aside: time.sleep(600)  # an rmdir on a server that died
+        LocalSteps._delete = lambda self, *aside: time.sleep(600)  # an rmdir on a server that died
         ckpts = safeio.Checkpoints({str(tmp_path / "ckpts")!r}, keep=1, timeout=1)
         for step in (1, 2, 3):
             with ckpts.save(step) as ckpt:

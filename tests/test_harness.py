@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import socket
 import subprocess
 import sys
 import time
@@ -110,3 +111,26 @@ def test_ranks_hung_in_connecting_are_started_again(
         assert "ranks still connecting after 15 s" in capfd.readouterr().err
         # The hung attempt never called the function: each rank ran it once, in the attempt that connected.
         assert sorted(name.split("-")[0] for name in os.listdir(calls)) == ["0", "1"]
+
+
+def test_ranks_whose_port_was_taken_are_started_again_on_another(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capfd: pytest.CaptureFixture[str]
+) -> None:
+    """Two suites on one machine: another process listened on the port ``free_port`` had just given,
+    before rank 0 could (the stress pair: rank 0 failed with EADDRINUSE, rank 1 tried to connect for its
+    whole timeout, and the test failed after 637 s). The ranks start again on another port."""
+    from safeio.testing import ranks
+
+    calls = tmp_path / "calls"
+    calls.mkdir()
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        ports = [int(taken.getsockname()[1])]  # the first attempt's: another process holds it
+        real_free_port = ranks.free_port
+        monkeypatch.setattr(ranks, "free_port", lambda: ports.pop() if ports else real_free_port())
+        # 20 s: the code before ended this run once rank 1 gave up connecting (its timeout), not 300 s.
+        results = ranks.run_ranks(_count_call, 2, str(calls), timeout=20, check=False)
+    assert [r.value for r in results] == [0, 1], ranks.describe(results)
+    assert "was taken before rank 0 listened on it, attempt 1 of 3" in capfd.readouterr().err
+    assert sorted(name.split("-")[0] for name in os.listdir(calls)) == ["0", "1"]

@@ -8,7 +8,8 @@ Connecting is a phase of its own: every rank reports that its group is up and wa
 before it calls the function. gloo does not always honour its own connect timeout: beside 8 CPU burners
 two ranks sat 14 minutes in ``gloo::transport::tcp::Pair::waitUntilConnected`` inside
 ``init_process_group`` with a 300 s timeout (issue 37). Ranks that have not all connected by that timeout
-plus a grace are killed and started again on a new port, before any of them ran the function.
+plus a grace are killed and started again on a new port, before any of them ran the function; so are
+ranks whose rank 0 found the port taken by another process between ``free_port`` and its listen.
 """
 
 from __future__ import annotations
@@ -165,10 +166,14 @@ def run_ranks(
         if ranks.connect(bound):
             break
         ranks.stop()
+        why = (
+            f"the store's port {ranks.port} was taken before rank 0 listened on it"
+            if ranks.port_taken()
+            else f"still connecting after {bound:.0f} s (gloo past its own timeout of "
+            f"{connect_timeout:.0f} s)"
+        )
         print(
-            f"safeio.testing.ranks: {world_size} ranks still connecting after {bound:.0f} s "
-            f"(gloo past its own timeout of {connect_timeout:.0f} s), attempt {attempt} of "
-            f"{_CONNECT_ATTEMPTS}",
+            f"safeio.testing.ranks: {world_size} ranks {why}, attempt {attempt} of {_CONNECT_ATTEMPTS}",
             file=sys.stderr,
         )
     else:
@@ -200,7 +205,7 @@ class _Attempt:
         self.results = ctx.Queue()
         self.go = ctx.Event()
         self.leave = ctx.Event()
-        port = free_port()
+        self.port = port = free_port()
         self.procs = [
             ctx.Process(
                 target=_rank_main,
@@ -224,10 +229,21 @@ class _Attempt:
             # A rank that failed to connect reported its error: the run ends as it would have anyway.
             if self.collected or not self._receive(deadline):
                 break
+        if self.port_taken():
+            return False  # no rank may go on: one that connected may have reached another job's store
         self.go.set()
         settled = len(self.connected | set(self.collected)) == self.world_size or bool(self.collected)
         # Ranks that all ended without a word (killed, crashed) are reported as such by finish().
         return settled or not any(proc.is_alive() for proc in self.procs)
+
+    def port_taken(self) -> bool:
+        """Whether rank 0 could not listen on the port ``free_port`` gave, because another process took
+        it in between (EADDRINUSE). Two suites on one machine (issue 37's stress pair): rank 0 failed at
+        once, and the other ranks tried to connect to that port for the group's whole timeout, 300 s."""
+        return any(
+            result.rank not in self.connected and "EADDRINUSE" in str(result.error)
+            for result in self.collected.values()
+        )
 
     def finish(self, timeout: float) -> list[RankResult]:
         deadline = time.monotonic() + timeout

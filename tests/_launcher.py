@@ -3,6 +3,12 @@ bounded: on a timeout the whole tree goes and the test fails with the ranks' out
 
 torchrun starts each rank in a session of its own, so killing the launcher's process group leaves the
 ranks running: the tree is found through /proc (parents, and command lines naming the job's directory).
+
+A job whose every rank has said it finished its work (``ended``, from the ranks' output) and that still
+has not exited ``teardown`` seconds later is killed and reported as hung at exit (None for its code),
+not failed: torch's gloo teardown race hangs a rank there, with or without safeio (docs/troubleshooting.md,
+"A job that does not exit"), and waiting out the whole bound for it cost 600 s. The caller decides what
+that means for its test.
 """
 
 from __future__ import annotations
@@ -13,12 +19,16 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import pytest
 
 TORCHRUN = Path(sys.executable).with_name("torchrun")
+# Seconds from the moment every rank has said it finished to the launcher's exit, before the job counts
+# as hung at exit: a rank's teardown takes about a second here, tens on a loaded machine; the race's hang
+# never ends. Only ever a reason to run a job again, never a failure by itself.
+TEARDOWN = 120.0
 
 
 def _children() -> dict[int, list[int]]:
@@ -85,23 +95,49 @@ def start(cmd: Sequence[str], log: Path, env: dict[str, str] | None = None) -> s
         return subprocess.Popen(cmd, stdout=sink, stderr=subprocess.STDOUT, env=env, start_new_session=True)
 
 
-def finish(proc: subprocess.Popen[bytes], out: Path, log: Path, bound: float, what: str) -> int:
+def finish(
+    proc: subprocess.Popen[bytes],
+    out: Path,
+    log: Path,
+    bound: float,
+    what: str,
+    ended: Callable[[str], bool] | None = None,
+    teardown: float = TEARDOWN,
+) -> int | None:
     """The launcher's exit code within ``bound`` seconds; on a timeout the tree is killed and the test
-    fails with the ranks' output."""
-    try:
-        return proc.wait(bound)
-    except subprocess.TimeoutExpired:
-        kill_tree(proc, out)
-        pytest.fail(
-            f"{what}: the job did not exit within {bound:g} s (killed); its ranks "
-            f"said:\n{log.read_text(errors='replace')[-6000:]}"
-        )
+    fails with the ranks' output. None: the job was killed ``teardown`` seconds after ``ended`` became
+    true of its output (hung at exit)."""
+    deadline = time.monotonic() + bound
+    ended_at: float | None = None
+    while True:
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            return proc.wait(min(1.0, max(deadline - time.monotonic(), 0.0)))
+        now = time.monotonic()
+        if ended is not None and ended_at is None and ended(log.read_text(errors="replace")):
+            ended_at = now
+        if ended_at is not None and now - ended_at >= teardown:
+            kill_tree(proc, out)
+            return None
+        if now >= deadline:
+            kill_tree(proc, out)
+            pytest.fail(
+                f"{what}: the job did not exit within {bound:g} s (killed); its ranks "
+                f"said:\n{log.read_text(errors='replace')[-6000:]}"
+            )
 
 
 def launch(
-    cmd: Sequence[str], out: Path, log: Path, bound: float, what: str, env: dict[str, str] | None = None
-) -> tuple[str, float, int]:
-    """One job to its launcher's exit: its output, how long it took, its exit code."""
+    cmd: Sequence[str],
+    out: Path,
+    log: Path,
+    bound: float,
+    what: str,
+    env: dict[str, str] | None = None,
+    ended: Callable[[str], bool] | None = None,
+    teardown: float = TEARDOWN,
+) -> tuple[str, float, int | None]:
+    """One job to its launcher's exit: its output, how long it took, its exit code (None: hung at exit,
+    see ``finish``)."""
     began = time.monotonic()
-    code = finish(start(cmd, log, env), out, log, bound, what)
+    code = finish(start(cmd, log, env), out, log, bound, what, ended, teardown)
     return log.read_text(errors="replace"), time.monotonic() - began, code

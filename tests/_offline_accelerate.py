@@ -11,17 +11,27 @@ runner first stands in for what it fetches, with the same calls and columns:
 - ``evaluate.load("glue", "mrpc")``: a local metric with ``add_batch``/``compute`` (accuracy, F1);
 - the model: ``build_model(dir)`` saves a tiny BERT and a word-level tokenizer built in code to a local
   directory, passed as ``--model_name_or_path``.
+
+It also says, on each rank, when the program calls ``accelerator.end_training()`` (``ENDING``) and when
+the program has returned (``RETURNED``; a resume returns before calling end_training); it changes
+nothing the program does. After either, only torch's teardown is left: end_training destroys the process
+group, then the training function returns and frees the DDP model that still holds it, and that is where
+gloo's teardown race hangs (docs/troubleshooting.md, "A job that does not exit"); no checkpoint work is
+left there.
 """
 
 from __future__ import annotations
 
 import importlib.util
+import os
 import random
 import runpy
 import sys
 from typing import Any
 
 PROGRAM = "accelerate.test_utils.scripts.external_deps.test_checkpointing"
+ENDING = "[runner] end_training() called on rank"
+RETURNED = "[runner] the program returned on rank"
 _WORDS = "the a model saves its checkpoint on shared storage every rank waits for one writer to commit"
 
 
@@ -126,9 +136,23 @@ def main() -> None:
     # find these.
     datasets.load_dataset = _load_dataset
     evaluate.load = _load_metric
+    _announce_end_training()
     script = program_path()
     sys.argv = [script, *sys.argv[1:]]
     runpy.run_path(script, run_name="__main__")
+    print(f"{RETURNED} {os.environ.get('RANK', '0')}", flush=True)
+
+
+def _announce_end_training() -> None:
+    from accelerate import Accelerator
+
+    end_training = Accelerator.end_training
+
+    def announced(self: Any) -> None:
+        print(f"{ENDING} {os.environ.get('RANK', '0')}", flush=True)
+        end_training(self)
+
+    Accelerator.end_training = announced  # type: ignore[method-assign]
 
 
 if __name__ == "__main__":

@@ -1,5 +1,7 @@
 """The suite's own harness (issue 37): the hostile-share runner's bound by progress (tests/_stall.py: a
-stall is caught, work never is), and test clean-up at any depth (safeio.testing._cleanup)."""
+stall is caught, work never is), test clean-up at any depth (safeio.testing._cleanup), ranks started
+again (safeio.testing.ranks), and a launched job hung at exit told from a job hung in its work
+(tests/_launcher.py)."""
 
 from __future__ import annotations
 
@@ -14,6 +16,8 @@ from pathlib import Path
 import pytest
 
 from safeio.testing._cleanup import remove_scratch
+from tests import _launcher
+from tests._bounds import PATIENT
 from tests._deep_trees import make_chain
 from tests._stall import Hung, stall_alarm
 
@@ -134,3 +138,34 @@ def test_ranks_whose_port_was_taken_are_started_again_on_another(
     assert [r.value for r in results] == [0, 1], ranks.describe(results)
     assert "was taken before rank 0 listened on it, attempt 1 of 3" in capfd.readouterr().err
     assert sorted(name.split("-")[0] for name in os.listdir(calls)) == ["0", "1"]
+
+
+def _job(tmp_path: Path, says: str, then: str) -> list[str]:
+    """A job (one process: what the launcher's watch sees is the same) that prints ``says`` and then
+    runs ``then``; its command line names ``tmp_path``, so that ``naming`` finds it while it lives."""
+    return [sys.executable, "-c", f"# {tmp_path}\nimport signal, sys\nprint({says!r}, flush=True)\n{then}"]
+
+
+def _ended(output: str) -> bool:
+    return "ended 0" in output and "ended 1" in output
+
+
+def test_a_job_hung_after_every_rank_ended_is_hung_at_exit(tmp_path: Path) -> None:
+    """The accelerate program's plain job once printed its metrics and did not exit in 600 s (gloo's
+    teardown race): the launcher now ends such a job ``teardown`` s after every rank said it was done,
+    and tells it apart (None) from a job that fails or hangs in its work."""
+    hung = _job(tmp_path, "ended 0\nended 1", "signal.pause()")
+    output, _took, code = _launcher.launch(
+        hung, tmp_path, tmp_path / "hung.log", PATIENT, "hung", None, _ended, 1.0
+    )
+    assert code is None and "ended 1" in output
+    assert _launcher.naming(os.fspath(tmp_path)) == [], "the hung job was left running"
+    done = _job(tmp_path, "ended 0\nended 1", "sys.exit(3)")
+    assert (
+        _launcher.launch(done, tmp_path, tmp_path / "done.log", PATIENT, "exits", None, _ended, 1.0)[2] == 3
+    )
+    # Hung before every rank said so: a hang in the work, the test fails at its bound, as before.
+    working = _job(tmp_path, "ended 0", "signal.pause()")
+    with pytest.raises(pytest.fail.Exception, match="did not exit within 3 s"):
+        _launcher.launch(working, tmp_path, tmp_path / "working.log", 3.0, "working", None, _ended, 1.0)
+    assert _launcher.naming(os.fspath(tmp_path)) == []

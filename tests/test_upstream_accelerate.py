@@ -29,7 +29,7 @@ import safeio
 from safeio.testing.nfslike import Mount
 from tests import _offline_accelerate
 from tests._bounds import PATIENT
-from tests._launcher import finish, kill_tree, launch, naming, start, torchrun
+from tests._launcher import TEARDOWN, finish, kill_tree, launch, naming, start, torchrun
 
 pytest.importorskip("accelerate")
 pytest.importorskip("datasets")
@@ -40,6 +40,7 @@ RUNNER = Path(_offline_accelerate.__file__)
 # itself (issue 37: the bound only ends a job that hangs, so it is generous).
 BOUND = PATIENT
 SIDES = {"plain": "0", "safeio": "accelerate"}  # SAFEIO_PATCH of each side
+RANKS = 2
 
 
 @pytest.fixture(scope="module")
@@ -52,13 +53,17 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 # torch's own teardown race, not safeio's (docs/troubleshooting.md, "A job that does not exit"; measured
 # with accelerate's examples: 1 job in ~30 on both sides): a gloo worker still dropping the last
-# collective's Python-owned tensors needs the GIL after finalization began, and the rank aborts. A job that dies of exactly that is run again, once; a second
-# time, a hang or any other failure fails the test.
+# collective's Python-owned tensors needs the GIL after finalization began, and the rank aborts; or the
+# main thread, freeing the DDP model after end_training() destroyed its group, joins that worker holding
+# the GIL, and the rank hangs. A job that dies of exactly that, or has not exited TEARDOWN s after every
+# rank called end_training() (the runner says so; no checkpoint work is left after it), is run again,
+# once; a second time, a hang or any other failure fails the test.
 TEARDOWN_RACE = "terminate called without an active exception"
 
 
 def _command(out: Path, model: Path, *extra: str) -> list[str]:
-    return torchrun(RUNNER, "--model_name_or_path", os.fspath(model), "--output_dir", os.fspath(out), *extra)
+    args = ("--model_name_or_path", os.fspath(model), "--output_dir", os.fspath(out), *extra)
+    return torchrun(RUNNER, *args, nproc=RANKS)
 
 
 def _env(side: str) -> dict[str, str]:
@@ -74,22 +79,50 @@ def _env(side: str) -> dict[str, str]:
     )
 
 
-def _launch(side: str, out: Path, model: Path, log: Path, *extra: str) -> tuple[str, float, int]:
-    return launch(_command(out, model, *extra), out, log, BOUND, f"{side} {' '.join(extra)}", env=_env(side))
+def _said(marker: str, output: str) -> bool:
+    """Every rank said ``marker`` (the runner's, tests/_offline_accelerate.py)."""
+    return all(f"{marker} {rank}" in output for rank in range(RANKS))
+
+
+def _every_rank_ended_its_work(output: str) -> bool:
+    """Every rank called end_training() or returned from the program (a resume returns before it): only
+    torch's teardown is left, and safeio's exit work, which is bounded."""
+    return all(
+        f"{_offline_accelerate.ENDING} {r}" in output or f"{_offline_accelerate.RETURNED} {r}" in output
+        for r in range(RANKS)
+    )
+
+
+def _launch(side: str, out: Path, model: Path, log: Path, *extra: str) -> tuple[str, float, int | None]:
+    what = f"{side} {' '.join(extra)}"
+    return launch(_command(out, model, *extra), out, log, BOUND, what, _env(side), _every_rank_ended_its_work)
+
+
+def _teardown_race(code: int | None, output: str) -> str | None:
+    """How the job met torch's teardown race, if it did: hung or aborted after its work."""
+    if code is None:
+        stuck = [r for r in range(RANKS) if f"{_offline_accelerate.RETURNED} {r}" not in output]
+        return f"hung at exit, {TEARDOWN:g} s after every rank ended its work (rank(s) {stuck} still in the program)"
+    if code != 0 and TEARDOWN_RACE in output:
+        return f"a rank died of the gloo teardown race (exit {code})"
+    return None
 
 
 def _run(side: str, out: Path, model: Path, log: Path, *extra: str, fresh: bool = False) -> str:
     """One job to the launcher's exit code 0 within ``BOUND``; its output (every rank's). ``fresh``: a
     rerun starts from an empty ``out`` (a job that saves)."""
     output, took, code = _launch(side, out, model, log, *extra)
-    if code != 0 and TEARDOWN_RACE in output:
-        print(f"{side}: a rank died of the gloo teardown race (exit {code}); running the job again")
+    if (race := _teardown_race(code, output)) is not None:
+        print(f"{side}: {race}; running the job again")
         if fresh:
             shutil.rmtree(out)
             out.mkdir()
         output, took, code = _launch(side, out, model, log, *extra)
-    assert code == 0, f"{side}: torchrun exited with {code} after {took:.1f} s:\n{output[-6000:]}"
+    ended = "hung at exit, killed" if code is None else f"exited with {code}"
+    assert code == 0, f"{side}: torchrun {ended} after {took:.1f} s:\n{output[-6000:]}"
     assert naming(os.fspath(out)) == [], "a rank outlived its launcher"
+    # What tells a hang at exit from a hang in the work reaches the launcher (else its watch never fires).
+    assert _said(_offline_accelerate.RETURNED, output), output[-6000:]
     print(f"{side} {' '.join(extra)}: exit 0 after {took:.1f} s")
     return output
 
@@ -100,7 +133,8 @@ def test_the_program_saves_and_resumes(
 ) -> None:
     out = nfslike_mount.path / "out"
     out.mkdir()
-    _run(side, out, model_dir, shared_dir / "first.log", "--partial_train_epoch", "1", fresh=True)
+    first = _run(side, out, model_dir, shared_dir / "first.log", "--partial_train_epoch", "1", fresh=True)
+    assert _said(_offline_accelerate.ENDING, first), first[-6000:]
     epoch = out / "epoch_0"
     assert (epoch / "optimizer.bin").is_file() and (out / "state_0.json").is_file(), sorted(os.listdir(out))
     if side == "safeio":
@@ -118,7 +152,7 @@ HANG = "*epoch_1*/optimizer.bin"
 INTERLOCK = {"hazard_timeout": 10.0}  # the mount counts a truncation blocked this long by an open file
 
 
-def _kill_mid_save(side: str, out: Path, model: Path, log: Path, mount: Mount) -> tuple[int, str]:
+def _kill_mid_save(side: str, out: Path, model: Path, log: Path, mount: Mount) -> tuple[int | None, str]:
     """A job whose rank 0 hangs opening epoch_1's optimizer.bin (the mount's fault) and is SIGKILLed
     there; the launcher's exit code and the ranks' output."""
     mount.set_faults(hang=HANG, hang_timeout=BOUND)

@@ -93,11 +93,16 @@ ACCELERATE = "accelerate's random_states_<rank>.pkl"
 
 class Target:
     """A promoted directory (a local path) or object-store prefix (an fsspec URL), read as ``verify``
-    reads it. InvalidTargetError when ``path`` names nothing a target could be (empty, a NUL byte)."""
+    reads it. InvalidTargetError when ``path`` names nothing a target could be (empty, a NUL byte).
 
-    def __init__(self, path: str | os.PathLike[str]) -> None:
+    ``owner``: the uid a local entry was judged to belong to (by its ``lstat``, in a directory others may
+    write): it is then read only as a directory of that uid, each read through one descriptor, never
+    through a link at its name; anything else there is reported (a problem, no manifest, not committed)
+    and not read. Ignored on object stores."""
+
+    def __init__(self, path: str | os.PathLike[str], *, owner: int | None = None) -> None:
         self._backend = backend_for(path)
-        self._reader: TargetReader = self._backend.reader()
+        self._reader: TargetReader = self._backend.reader(owner=owner)
 
     @property
     def url(self) -> str:

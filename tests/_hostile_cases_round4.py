@@ -21,14 +21,19 @@ from pathlib import Path
 from typing import Any
 from unittest import mock
 
+import xxhash
+
 import safeio
+import safeio.shares
 from safeio._checkpoints.step_directories import LocalSteps
 from safeio._diagnostics.audit_report import format_report, merge_reports
 from safeio._storage.manifest import MANIFEST_NAME
 from safeio._storage.readers import LocalReader
 from safeio._who import current_rank
-from tests._hostile_cases import ROOT_ONLY, Share, alarm, captured_warnings, case
+from safeio.cli import verify_root
+from tests._hostile_cases import ROOT_ONLY, Share, alarm, captured_warnings, case, cli
 from tests._hostile_cases_round2 import _as_nobody
+from tests._hostile_cases_round3 import TiB, measured
 
 DATA = "root's training data: uid 65534 may rename this tree, never delete it\n"
 
@@ -231,6 +236,89 @@ def r4case4_the_audit_report_reads_only_regular_record_files_of_this_user(share:
     assert not report.conflicts, report.conflicts
 
 
+def _their_step(root: Path, name: str, size: int) -> Path:
+    """As uid 65534, in ``root``: a directory of its own holding a marker of step 2 that lists
+    ``weights.bin`` of ``size`` bytes (sparse) with a checksum that is its own when the file is small."""
+
+    def make() -> dict[str, Any]:
+        theirs = root / name
+        theirs.mkdir()
+        with open(theirs / "weights.bin", "wb") as f:
+            f.truncate(size)
+        checksum = xxhash.xxh3_128_hexdigest(bytes(size)) if size < 1 << 20 else "0" * 32
+        files = {"weights.bin": {"size": size, "xxh3_128": checksum}}
+        (theirs / MANIFEST_NAME).write_text(json.dumps({"format": 2, "step": 2, "files": files}))
+        return {"made": name}
+
+    assert _as_nobody(make) == {"made": name}
+    return root / name
+
+
+def _two_steps(share: Share) -> tuple[Path, str]:
+    """A root of root's, writable by others without the sticky bit, with steps 1 and 2 committed; the
+    name of step 2."""
+    root = share.share / "run"
+    root.mkdir()
+    root.chmod(0o777)
+    ckpts = safeio.Checkpoints(root, keep=None, timeout=30)
+    for step in (1, 2):
+        with ckpts.save(step) as ckpt:
+            Path(ckpt.path, "weights.bin").write_text(f"step {step}")
+    return root, next(name for name in os.listdir(root) if name.endswith("2") and (root / name).is_dir())
+
+
+@case
+def r4case5_verify_of_a_root_never_reads_a_step_swapped_after_it_was_judged(share: Share) -> None:
+    """``safeio verify ROOT``, a root without the sticky bit: once verify had listed and judged root's
+    steps, uid 65534 renamed step 2 away and put a directory of its own in its place, whose marker lists a
+    sparse 1 TiB file with a checksum, then a link to it. Before, verify hashed that file through the
+    step's name (hours; round 3's case 5 came back by the race). Now step 2 is reported as no longer
+    root's directory, and nothing of it is read."""
+    root, step2 = _two_steps(share)
+    theirs = _their_step(root, "theirs", TiB)
+    judged = verify_root.checkpoint_rows
+    swaps: list[dict[str, Any]] = []
+
+    def raced(*args: Any) -> Any:
+        rows = judged(*args)  # every step judged (root's, committed): now the window is open
+        if not swaps:
+            swaps.append(_as_nobody(_swapped_in(root, step2, theirs)))
+        else:  # the second run: a link to their directory instead
+
+            def link() -> dict[str, Any]:
+                os.rename(root / step2, root / f"{step2}.moved-by-65534")
+                (root / step2).symlink_to(theirs.name)
+                return {"linked": step2}
+
+            swaps.append(_as_nobody(link))
+        return rows
+
+    for run in range(2):
+        if run:  # root's step 2 put back, their directory under its own name again
+            os.rename(root / step2, theirs)
+            os.rename(root / f"{step2}.moved-by-65534", root / step2)
+        with mock.patch.object(verify_root, "checkpoint_rows", raced), measured() as figures:
+            code, text = cli("verify", str(root))
+        figures.within("safeio verify")
+        assert code == 1, text
+        assert any(
+            step2 in line and "no longer a directory of uid 0" in line for line in text.splitlines()
+        ), text
+    assert swaps == [{"swapped": step2}, {"linked": step2}], swaps
+
+
+@case
+def r4baseline_3_naive_verify_reads_the_directory_swapped_in(share: Share) -> None:
+    """The naive way (the step verified by its path, as any promoted directory is) reads uid 65534's
+    directory put in place of root's step 2 once it was judged, and finds it complete: their content
+    passes for root's checkpoint (with a 1 TiB file listed, verify hashes for hours)."""
+    root, step2 = _two_steps(share)
+    theirs = _their_step(root, "theirs", 5)
+    assert _as_nobody(_swapped_in(root, step2, theirs)) == {"swapped": step2}
+    assert safeio.shares.Target(root / step2).verify() == []
+    assert (root / step2 / MANIFEST_NAME).stat().st_uid == 65534
+
+
 ROOT_ONLY.update(
     {
         "r4case1_retention_never_deletes_a_tree_swapped_in_under_a_retired_steps_name",
@@ -239,5 +327,7 @@ ROOT_ONLY.update(
         "r4baseline_2_naive_reading_by_path_follows_the_link_swapped_in",
         "r4case3_an_audit_record_file_is_never_a_link_or_a_fifo_planted_under_its_name",
         "r4case4_the_audit_report_reads_only_regular_record_files_of_this_user",
+        "r4case5_verify_of_a_root_never_reads_a_step_swapped_after_it_was_judged",
+        "r4baseline_3_naive_verify_reads_the_directory_swapped_in",
     }
 )

@@ -104,8 +104,10 @@ class Backend(ABC):
     # -- the reading side ----------------------------------------------------------------------------
 
     @abstractmethod
-    def reader(self) -> TargetReader:
-        """Reads what the target holds (manifest, completeness, committed step, version)."""
+    def reader(self, *, owner: int | None = None) -> TargetReader:
+        """Reads what the target holds (manifest, completeness, committed step, version). ``owner``: a
+        local target is read only as a directory of that uid, never through a link at its name (an entry
+        of a directory others may write, judged that uid's); ignored where files have no owner."""
 
     @abstractmethod
     def holds_checkpoints(self) -> bool:
@@ -182,8 +184,8 @@ class PosixBackend(Backend):
             if durable:
                 os.fsync(parent_fd)
 
-    def reader(self) -> TargetReader:
-        return LocalReader(self.location)
+    def reader(self, *, owner: int | None = None) -> TargetReader:
+        return LocalReader(self.location, owner=owner)
 
     def holds_checkpoints(self) -> bool:
         path = self.location.path
@@ -242,7 +244,8 @@ class ObjectStoreBackend(Backend):
         if fs.exists(self.location.path):
             fs.rm(self.location.path, recursive=True)
 
-    def reader(self) -> TargetReader:
+    def reader(self, *, owner: int | None = None) -> TargetReader:
+        del owner  # an object store's keys have no owner to check; its marker says who committed
         return ObjectStoreReader(self.location)
 
     def holds_checkpoints(self) -> bool:

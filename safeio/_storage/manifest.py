@@ -172,19 +172,24 @@ def problems(
     ``manifest`` is validated (every name inside the directory); each entry is reached without following
     a link and must be a regular file, so a crafted entry cannot make this read anything elsewhere.
     """
-    found: list[str] = []
     with held_directory(directory, follow=follow) as root:
-        for rel, entry in manifest["files"].items():
-            *dirs, name = rel.split("/")
-            try:
-                fd = open_relative_directory(root, "/".join(dirs))
-            except OSError:
-                found.append(f"missing: {rel}")
-                continue
-            try:
-                found.extend(_entry_problems(fd, name, rel, entry, check_hashes))
-            finally:
-                os.close(fd)
+        return problems_at(root, manifest, check_hashes=check_hashes)
+
+
+def problems_at(root: int, manifest: dict[str, Any], *, check_hashes: bool = True) -> list[str]:
+    """``problems`` of the directory held open as ``root``."""
+    found: list[str] = []
+    for rel, entry in manifest["files"].items():
+        *dirs, name = rel.split("/")
+        try:
+            fd = open_relative_directory(root, "/".join(dirs))
+        except OSError:
+            found.append(f"missing: {rel}")
+            continue
+        try:
+            found.extend(_entry_problems(fd, name, rel, entry, check_hashes))
+        finally:
+            os.close(fd)
     return found
 
 

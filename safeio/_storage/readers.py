@@ -15,13 +15,14 @@ import errno
 import os
 import stat
 from abc import ABC, abstractmethod
+from collections.abc import Iterator
 from typing import Any
 
 from safeio._errors import InvalidTargetError
 from safeio._storage import manifest
 from safeio._storage.dirfd import FILE_FLAGS, held_directory, lstat_at
 from safeio._storage.location import Location
-from safeio._storage.metadata import MANIFEST_CAP, Damaged, parse_json, validate_manifest
+from safeio._storage.metadata import MANIFEST_CAP, Damaged, load_manifest, parse_json, validate_manifest
 from safeio._storage.names import is_version_pointee
 
 
@@ -155,32 +156,74 @@ class LocalReader(TargetReader):
     """``follow=False``: a checkpoint step, never a link, is read where it was found a directory. Its name
     is under a root others may write: the step was judged a directory by ``lstat`` (``is_step``), then
     read by path, and a link put in its place in between (its owner's own entry, even in a sticky root)
-    made ``latest()`` choose another run's step of this user's through it."""
+    made ``latest()`` choose another run's step of this user's through it.
 
-    def __init__(self, location: Location, *, follow: bool = True) -> None:
+    ``owner``: besides, only a directory of that uid is read, each read through one descriptor: another
+    user who renamed a step of root's away in a root without the sticky bit and put a link, or a directory
+    of theirs, in its place once ``safeio verify`` had judged it made root's verify hash what they chose
+    (a manifest listing a sparse 1 TiB file: hours)."""
+
+    def __init__(self, location: Location, *, follow: bool = True, owner: int | None = None) -> None:
         super().__init__(location)
-        self._follow = follow
+        self._follow = follow and owner is None
+        self._owner = owner
+
+    @contextlib.contextmanager
+    def _held(self) -> Iterator[int]:
+        """The target held open for one read: with ``owner``, only a directory of that uid (OSError)."""
+        with held_directory(self.location.path, follow=self._follow) as fd:
+            if self._owner is not None and os.fstat(fd).st_uid != self._owner:
+                raise OSError(errno.EPERM, f"not a directory of uid {self._owner}", self.location.path)
+            yield fd
 
     def exists(self) -> bool:
         return os.path.isdir(self.location.path) if self._follow else self.is_step()
+
+    def verify(self, *, check_hashes: bool = True) -> list[str]:
+        if self._owner is not None and os.path.lexists(self.location.path) and not self.is_step():
+            return [self._not_owned()]
+        return super().verify(check_hashes=check_hashes)
 
     def absence(self) -> str | None:
         return why_not_a_directory(self.location.path)
 
     def manifest(self) -> dict[str, Any] | None:
-        return manifest.read(self.location.path, follow=self._follow)
+        if self._owner is None:
+            return manifest.read(self.location.path, follow=self._follow)
+        try:
+            with self._held() as fd:
+                record = load_manifest(fd, manifest.MANIFEST_NAME)
+        except OSError:
+            return None
+        return None if isinstance(record, Damaged) else record
 
     def problems(self, record: dict[str, Any], *, check_hashes: bool) -> list[str]:
-        return manifest.problems(self.location.path, record, check_hashes=check_hashes, follow=self._follow)
+        path = self.location.path
+        if self._owner is None:
+            return manifest.problems(path, record, check_hashes=check_hashes, follow=self._follow)
+        try:
+            with self._held() as fd:
+                return manifest.problems_at(fd, record, check_hashes=check_hashes)
+        except OSError:
+            return [self._not_owned()]
 
     def no_manifest_problem(self) -> str:
+        if self._owner is not None and not self.is_step():
+            return self._not_owned()
         return f"no readable {manifest.MANIFEST_NAME} in {self.location.path}"
+
+    def _not_owned(self) -> str:
+        return (
+            f"{self.location.path} is no longer a directory of uid {self._owner} (a link, or another user's "
+            "directory, was put in its place): not read"
+        )
 
     def is_step(self) -> bool:
         try:
-            return stat.S_ISDIR(os.lstat(self.location.path).st_mode)
+            found = os.lstat(self.location.path)
         except OSError:
             return False
+        return stat.S_ISDIR(found.st_mode) and self._owner in (None, found.st_uid)
 
     def owner(self, record: dict[str, Any]) -> int | None:
         # The manifest file's owner: another user cannot make a file that is ours, whatever it says.
@@ -209,7 +252,7 @@ class LocalReader(TargetReader):
 
     def unlisted(self, record: dict[str, Any]) -> list[str]:
         listed = set(record["files"])
-        with held_directory(self.location.path, follow=self._follow) as fd:
+        with self._held() as fd:
             return [rel for rel in manifest.content_files(fd) if rel not in listed]
 
 

@@ -112,7 +112,7 @@ def step_state(path: str, owner: int) -> tuple[State, str, int | None]:
         marker_uid = os.lstat(os.path.join(path, MANIFEST_NAME)).st_uid
         if marker_uid != owner:  # another user's marker in a directory they can write: not read
             return State.ANOTHER_USERS, _theirs(marker_uid, None), None
-    reader = Target(path)
+    reader = Target(path, owner=owner)  # a link or their directory put in its place since: not read
     record = reader.committed_marker()
     if record is not None:
         uid = reader.marker_owner(record)

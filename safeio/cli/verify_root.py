@@ -55,8 +55,11 @@ def verify_root(root: str, args: argparse.Namespace) -> int:
 
 
 def _check(root: str, row: dict[str, Any], *, check_hashes: bool) -> None:
-    """A committed step checked against its marker, checksums included: damaged when anything differs."""
-    found = Target(os.path.join(root, row["name"])).verify(check_hashes=check_hashes)
+    """A committed step checked against its marker, checksums included: damaged when anything differs.
+    Read as the root owner's directory it was judged (``owner``): in a root others may write, a link or
+    a directory of theirs put in its place since is reported, never hashed."""
+    owner = os.stat(root).st_uid
+    found = Target(os.path.join(root, row["name"]), owner=owner).verify(check_hashes=check_hashes)
     if found:
         row.update(state=State.DAMAGED, detail="; ".join(found), fix=fix(State.DAMAGED, root))
 

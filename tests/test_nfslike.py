@@ -376,6 +376,28 @@ def test_two_clients_see_each_other_late(nfslike_clients: tuple[Mount, Mount]) -
     wait_until(lambda: not (b.path / "new").exists(), what="client B sees the removal")
 
 
+@pytest.mark.fuse_opts(entry_timeout=2.0, negative_timeout=2.0, attr_timeout=2.0)
+@pytest.mark.parametrize("looked", ["stat", "open"])
+def test_a_file_replaced_on_one_client_is_read_whole_on_the_other(
+    nfslike_clients: tuple[Mount, Mount], looked: str
+) -> None:
+    """Client B looked the file up (its size cached), client A replaced it (a new file renamed over it),
+    then B opened it at once. Before, B read the new file cut to the old size (tests/test_identity.py: the
+    first 1,772 bytes of a 1,829-byte tokenizer.json); an NFS client revalidates on open (ESTALE for the
+    old handle, a new lookup), so B reads the new file whole. A ``stat`` alone still shows the old size."""
+    a, b = nfslike_clients
+    (a.path / "f").write_text("x" * 10)
+    if looked == "stat":
+        assert (b.path / "f").stat().st_size == 10
+    else:
+        with open(b.path / "f") as f:
+            assert os.fstat(f.fileno()).st_size == 10
+    (a.path / "new").write_text("y" * 30)
+    os.rename(a.path / "new", a.path / "f")
+    assert (b.path / "f").read_text() == "y" * 30
+    assert (b.path / "f").stat().st_size == 30  # the open's new lookup refreshed the name
+
+
 # ---- silly rename -----------------------------------------------------------------------------
 
 

@@ -25,6 +25,7 @@ from safeio.testing.nfslike._handles import Handle, HandleTable, InodeKey
 from safeio.testing.nfslike._hidden import HiddenFiles, caller_is_renaming, is_held, is_hidden
 from safeio.testing.nfslike._interlock import Interlock
 from safeio.testing.nfslike._options import Options
+from safeio.testing.nfslike._revalidation import ToldInodes
 from safeio.testing.nfslike._state import StateDir
 
 logger = logging.getLogger("safeio.testing.nfslike")
@@ -85,6 +86,7 @@ class NfsLikeFS(mfusepy.Operations):  # type: ignore[misc]  # mfusepy is untyped
             else None
         )
         self.hidden = HiddenFiles(self.handles, silly=options.silly_rename)
+        self.told = ToldInodes()
         # A root daemon creates every file as root; hand new files to the calling user as a local
         # filesystem (or an NFS server with the caller's credentials) would.
         self._chown_new = os.geteuid() == 0
@@ -186,6 +188,8 @@ class NfsLikeFS(mfusepy.Operations):  # type: ignore[misc]  # mfusepy is untyped
             self._enter(path)
             with self._at(path or "/") as real:
                 st = os.stat(real, follow_symlinks=is_held(real))
+            if path is not None and not is_hidden(path):
+                self.told.told(path, st.st_ino)
         attrs: dict[str, Any] = {key: getattr(st, key) for key in _STAT_KEYS}
         attrs.update(st_atime=st.st_atime_ns, st_mtime=st.st_mtime_ns, st_ctime=st.st_ctime_ns)
         return attrs
@@ -300,6 +304,7 @@ class NfsLikeFS(mfusepy.Operations):  # type: ignore[misc]  # mfusepy is untyped
             # nfs_sillyrename: a file already silly-renamed and still open cannot be removed.
             raise OSError(errno.EBUSY, "nfslike: silly-renamed file is still open", path)
         os.unlink(real)
+        self.told.forgot(path)
 
     def rename(self, old: str, new: str, flags: int = 0) -> None:
         if is_hidden(new) and not flags:
@@ -312,6 +317,7 @@ class NfsLikeFS(mfusepy.Operations):  # type: ignore[misc]  # mfusepy is untyped
             # refuses them with EINVAL; honouring or dropping them would hide what NFS does.
             raise OSError(errno.EINVAL, f"nfslike: renameat2 flags {flags:#x} unsupported, as on NFS")
         os.rename(self._real(old), self._real(new))
+        self.told.renamed(old, new)
 
     def _hide(self, path: str, hidden_path: str) -> None:
         """libfuse hides `path`, open on this mount, instead of unlinking it or before renaming
@@ -346,6 +352,12 @@ class NfsLikeFS(mfusepy.Operations):  # type: ignore[misc]  # mfusepy is untyped
                 key = self._existing_key(real)
         with self._truncation(key, pid, "open(O_TRUNC)", path), self._at(path) as real:
             fd = os.open(real, flags)
+        if not is_hidden(path):
+            try:
+                self.told.check_open(path, os.fstat(fd).st_ino)
+            except OSError:
+                os.close(fd)
+                raise
         return self._register(fd, path, pid)
 
     def create(self, path: str, mode: int, flags: int) -> int:

@@ -27,6 +27,7 @@ import safeio
 import safeio.shares
 from safeio._checkpoints.step_directories import LocalSteps
 from safeio._diagnostics.audit_report import format_report, merge_reports
+from safeio._storage.location import Location
 from safeio._storage.manifest import MANIFEST_NAME
 from safeio._storage.readers import LocalReader
 from safeio._who import current_rank
@@ -308,6 +309,44 @@ def r4case5_verify_of_a_root_never_reads_a_step_swapped_after_it_was_judged(shar
 
 
 @case
+def r4case6_a_step_is_this_users_directory_not_only_its_marker(share: Share) -> None:
+    """A root without the sticky bit, on a system that lets users hard-link others' files
+    (``fs.protected_hardlinks=0``): uid 65534 linked root's marker of step 3 into a directory of its own,
+    beside a ``weights.bin`` of its choosing at the size the marker lists, and put that directory under
+    step 3's name once root had deleted its step 3. The marker is root's file, so judging the marker's
+    owner alone took their directory for root's committed step 3, to resume from. (Only root can make the
+    link here without changing the machine's sysctl: the link is the state that setting lets 65534 make.)"""
+    root = share.share / "run"
+    root.mkdir()
+    root.chmod(0o777)
+    ckpts = safeio.Checkpoints(root, keep=None, timeout=30)
+    for step in (1, 2, 3):
+        with ckpts.save(step) as ckpt:
+            Path(ckpt.path, "weights.bin").write_text(f"root's step {step}")
+    step3 = next(name for name in os.listdir(root) if name.endswith("3") and (root / name).is_dir())
+    forged = "their weights"  # as long as "root's step 3"
+    theirs = root / "theirs"
+
+    def make() -> dict[str, Any]:
+        theirs.mkdir()
+        (theirs / "weights.bin").write_text(forged)
+        return {"made": theirs.name}
+
+    assert _as_nobody(make) == {"made": theirs.name}
+    os.link(root / step3 / MANIFEST_NAME, theirs / MANIFEST_NAME)
+    shutil.rmtree(root / step3)  # root deletes its step 3 (by hand, or a script's own rotation)
+    assert _as_nobody(lambda: (theirs.rename(root / step3), {"moved": step3})[1]) == {"moved": step3}
+    assert (root / step3).stat().st_uid == 65534 and (root / step3 / MANIFEST_NAME).stat().st_uid == 0
+    # Judged by its marker and the marker's owner (as before): their directory is root's step 3.
+    judged = LocalReader(Location(str(root / step3), str(root / step3)), follow=False)
+    marker = judged.committed_marker()
+    assert marker is not None and marker["step"] == 3 and judged.owner(marker) == 0, marker
+    latest = ckpts.latest()
+    assert latest is not None and latest.step == 2, f"latest() of {root} is {latest}: their directory"
+    assert ckpts.steps() == [1, 2], ckpts.steps()
+
+
+@case
 def r4baseline_3_naive_verify_reads_the_directory_swapped_in(share: Share) -> None:
     """The naive way (the step verified by its path, as any promoted directory is) reads uid 65534's
     directory put in place of root's step 2 once it was judged, and finds it complete: their content
@@ -329,5 +368,6 @@ ROOT_ONLY.update(
         "r4case4_the_audit_report_reads_only_regular_record_files_of_this_user",
         "r4case5_verify_of_a_root_never_reads_a_step_swapped_after_it_was_judged",
         "r4baseline_3_naive_verify_reads_the_directory_swapped_in",
+        "r4case6_a_step_is_this_users_directory_not_only_its_marker",
     }
 )

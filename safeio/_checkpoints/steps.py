@@ -227,6 +227,11 @@ class StepStorage(ABC):
     def reader(self, name: str) -> TargetReader:
         """The reader of step directory (or prefix) ``name``."""
 
+    def own_reader(self, name: str) -> TargetReader:
+        """The reader of ``name`` that judges it a commit of this user's: where owners can be told, only
+        what this user owns is read (``reader`` reads another user's step too, to name it)."""
+        return self.reader(name)
+
     @abstractmethod
     def read_pointer(self) -> str | None:
         """What ``latest`` names, or None (absent, damaged, not a small regular file)."""
@@ -285,7 +290,7 @@ class StepStorage(ABC):
         known = self._known.get(name)
         if identity is not None and known is not None and known[0] == identity:
             return known[1]
-        reader = reader or self.reader(name)
+        reader = reader or self.own_reader(name)
         record = reader.committed_marker(check_files=check_files)
         if record is None or record["step"] != step:
             return None

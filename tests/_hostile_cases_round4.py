@@ -27,11 +27,13 @@ import safeio
 import safeio.shares
 from safeio._checkpoints.step_directories import LocalSteps
 from safeio._diagnostics.audit_report import format_report, merge_reports
+from safeio._promotion import backends
 from safeio._storage.location import Location
 from safeio._storage.manifest import MANIFEST_NAME
 from safeio._storage.readers import LocalReader
 from safeio._who import current_rank
 from safeio.cli import verify_root
+from safeio.frameworks import remove_file
 from tests._hostile_cases import ROOT_ONLY, Share, alarm, captured_warnings, case, cli
 from tests._hostile_cases_round2 import _as_nobody
 from tests._hostile_cases_round3 import TiB, measured
@@ -347,6 +349,39 @@ def r4case6_a_step_is_this_users_directory_not_only_its_marker(share: Share) -> 
 
 
 @case
+def r4case7_remove_file_removes_only_the_entry_it_judged(share: Share) -> None:
+    """``safeio.frameworks.remove_file`` (Lightning's ``remove_checkpoint`` under ``SafeCheckpointIO``) in
+    a directory others can write without the sticky bit: once it had judged the checkpoint file, uid 65534
+    renamed it away and root's ``data/`` tree to its name; then, with a link judged, root's own file.
+    Before, what stood at the name was renamed aside and deleted: root's tree, then root's file."""
+    ckpts = share.share / "ckpts"
+    ckpts.mkdir()
+    ckpts.chmod(0o777)
+    data = _victims_tree(ckpts)
+    kept = ckpts / "notes.txt"
+    kept.write_text(DATA)
+    (ckpts / "epoch=1.ckpt").write_text("the checkpoint of epoch 1")
+    (ckpts / "last.ckpt").symlink_to("epoch=1.ckpt")
+    judge = backends.lstat_at
+    swaps: list[dict[str, Any]] = []
+
+    def raced(dir_fd: int, name: str) -> os.stat_result | None:
+        found = judge(dir_fd, name)  # judged: now the window is open
+        mine = {"epoch=1.ckpt": data, "last.ckpt": kept}.get(name)
+        if mine is not None:
+            swaps.append(_as_nobody(_swapped_in(ckpts, name, mine)))
+        return found
+
+    with captured_warnings() as warnings, mock.patch.object(backends, "lstat_at", raced):
+        remove_file(ckpts / "epoch=1.ckpt")
+        remove_file(ckpts / "last.ckpt")
+    assert swaps == [{"swapped": "epoch=1.ckpt"}, {"swapped": "last.ckpt"}], swaps
+    assert (ckpts / "epoch=1.ckpt" / "corpus.txt").read_text() == DATA, "root's tree was removed"
+    assert (ckpts / "last.ckpt").read_text() == DATA, "root's file was removed"
+    assert len([w for w in warnings if "not removed" in w]) == 2, warnings
+
+
+@case
 def r4baseline_3_naive_verify_reads_the_directory_swapped_in(share: Share) -> None:
     """The naive way (the step verified by its path, as any promoted directory is) reads uid 65534's
     directory put in place of root's step 2 once it was judged, and finds it complete: their content
@@ -369,5 +404,6 @@ ROOT_ONLY.update(
         "r4case5_verify_of_a_root_never_reads_a_step_swapped_after_it_was_judged",
         "r4baseline_3_naive_verify_reads_the_directory_swapped_in",
         "r4case6_a_step_is_this_users_directory_not_only_its_marker",
+        "r4case7_remove_file_removes_only_the_entry_it_judged",
     }
 )

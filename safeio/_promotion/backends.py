@@ -32,8 +32,9 @@ forgotten one fails when it is instantiated) naming its fsspec ``protocols``, re
 from __future__ import annotations
 
 import contextlib
+import errno
+import logging
 import os
-import stat
 from abc import ABC, abstractmethod
 from typing import Any, ClassVar, TypeVar
 
@@ -52,12 +53,16 @@ from safeio._promotion.merge import Merge
 from safeio._promotion.object_store import ObjectPromotion
 from safeio._promotion.versioned import Versioned
 from safeio._storage.claims import claimed
-from safeio._storage.dirfd import held_directory, is_component, lstat_at
+from safeio._storage.dirfd import held_directory, identity, is_component, lstat_at
 from safeio._storage.fsops import remove_at
 from safeio._storage.location import Location, resolve
 from safeio._storage.locking import lock_path_for
 from safeio._storage.names import LATEST, ROOT_LOCK, SEQUENCE, sibling_name
+from safeio._storage.posix import rename_noreplace
 from safeio._storage.readers import LocalReader, ObjectStoreReader, TargetReader, is_version_link
+from safeio._who import who
+
+logger = logging.getLogger("safeio")
 
 
 class Backend(ABC):
@@ -173,16 +178,34 @@ class PosixBackend(Backend):
             st = lstat_at(parent_fd, name)
             if st is None:
                 return
-            if stat.S_ISLNK(st.st_mode):  # a link: the link goes, never what it points to
-                os.unlink(name, dir_fd=parent_fd)
-            else:
-                # Renamed aside first: a reader (a resume, an evaluation job) never opens a half-removed
-                # file under its name; what a crash leaves is a leftover `safeio gc` removes.
-                with claimed(sibling_name(name, "tmp")) as aside:
-                    os.rename(name, aside, src_dir_fd=parent_fd, dst_dir_fd=parent_fd)
-                    remove_at(parent_fd, aside, what="removed checkpoint")
+            # Renamed aside first: a reader (a resume, an evaluation job) never opens a half-removed file
+            # under its name; what a crash leaves is a leftover `safeio gc` removes. Then only the entry
+            # judged is removed (a link, never what it points to): in a directory others can write
+            # without the sticky bit, another user may rename a tree or file of yours, which they may
+            # not delete, to the name in between. That is put back, not deleted.
+            with claimed(sibling_name(name, "tmp")) as aside:
+                os.rename(name, aside, src_dir_fd=parent_fd, dst_dir_fd=parent_fd)
+                try:
+                    remove_at(parent_fd, aside, what="removed checkpoint", expected=identity(st))
+                except OSError as exc:
+                    if exc.errno != errno.ESTALE:
+                        raise
+                    self._put_back(parent_fd, aside)
             if durable:
                 os.fsync(parent_fd)
+
+    def _put_back(self, parent_fd: int, aside: str) -> None:
+        name, left = self.location.name, aside
+        with contextlib.suppress(OSError):
+            rename_noreplace(aside, name, parent_fd)
+            left = name
+        logger.warning(
+            "%s: %s was replaced by another entry (renamed there by another user) as it was being removed: "
+            "not removed, left as %s",
+            who(),
+            self.location.path,
+            os.path.join(self.location.parent, left),
+        )
 
     def reader(self, *, owner: int | None = None) -> TargetReader:
         return LocalReader(self.location, owner=owner)

@@ -32,7 +32,6 @@ forgotten one fails when it is instantiated) naming its fsspec ``protocols``, re
 from __future__ import annotations
 
 import contextlib
-import errno
 import logging
 import os
 from abc import ABC, abstractmethod
@@ -53,7 +52,7 @@ from safeio._promotion.merge import Merge
 from safeio._promotion.object_store import ObjectPromotion
 from safeio._promotion.versioned import Versioned
 from safeio._storage.claims import claimed
-from safeio._storage.dirfd import held_directory, identity, is_component, lstat_at
+from safeio._storage.dirfd import held_directory, identity, is_component, lstat_at, still_is
 from safeio._storage.fsops import remove_at
 from safeio._storage.location import Location, resolve
 from safeio._storage.locking import lock_path_for
@@ -185,11 +184,9 @@ class PosixBackend(Backend):
             # not delete, to the name in between. That is put back, not deleted.
             with claimed(sibling_name(name, "tmp")) as aside:
                 os.rename(name, aside, src_dir_fd=parent_fd, dst_dir_fd=parent_fd)
-                try:
+                if still_is(parent_fd, aside, identity(st)):
                     remove_at(parent_fd, aside, what="removed checkpoint", expected=identity(st))
-                except OSError as exc:
-                    if exc.errno != errno.ESTALE:
-                        raise
+                else:
                     self._put_back(parent_fd, aside)
             if durable:
                 os.fsync(parent_fd)

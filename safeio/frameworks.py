@@ -164,7 +164,10 @@ def replace_link(link: str | os.PathLike[str], target: str | os.PathLike[str]) -
 
 def remove_file(path: str | os.PathLike[str], *, durable: bool = True) -> None:
     """Remove the file at ``path`` (a local path or an fsspec URL), renamed aside first so that no reader
-    opens a half-removed file by its name; ``durable``: the removal is on disk when this returns."""
+    opens a half-removed file by its name; ``durable``: the removal is on disk when this returns. A link
+    is removed, never what it points to. Locally, only the entry found at ``path`` is removed: another
+    entry renamed to its name meanwhile (by another user of a directory without the sticky bit) is put
+    back, with a WARNING."""
     backend_for(path).remove_file(durable=durable)
 
 
